@@ -1,0 +1,31 @@
+# Every target installs into .venv first (idempotent: a stamp file records the install).
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+# The CPU wheel of PyTorch; an unpinned torch would pull a CUDA build of several GB.
+TORCH   := torch==2.13.0
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev,serve,bench]' $(TORCH)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	.venv/bin/aiayn demo --out runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_train.py
+	$(PY) benchmarks/bench_translate.py
+
+lint: $(STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+clean:
+	rm -rf .venv runs

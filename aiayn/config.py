@@ -1,0 +1,257 @@
+"""Frozen, typed configuration (model, training, search) and the named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+# Special token ids, the same in every tokenizer this project trains (tokenizer.py).
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything needed to rebuild a Transformer; saved as config.json in every model directory."""
+
+    src_vocab_size: int = 8000
+    tgt_vocab_size: int = 8000
+    pad_id: int = PAD_ID
+    bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
+    d_model: int = 512
+    d_ff: int = 2048
+    n_heads: int = 8
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    dropout: float = 0.1  # §5.4 residual dropout, also on embeddings + positions
+    attention_dropout: float = 0.0  # not in the paper (tensor2tensor option); 0 = faithful
+    max_positions: int = 1024  # sinusoids extend past this at run time; learned ones cannot
+    norm: Literal["post", "pre"] = "post"  # §3.1 LayerNorm(x + Sublayer(x)); "pre" is a deviation
+    positions: Literal["sinusoidal", "learned"] = "sinusoidal"  # §3.5
+    share_embeddings: bool = True  # §3.4: source, target and pre-softmax share one matrix
+    tie_output: bool = True  # §3.4: target embedding == pre-softmax projection
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "d_ff", "n_heads", "max_positions"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("n_encoder_layers", "n_decoder_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(
+                "share_embeddings=True needs one vocabulary, got "
+                f"src_vocab_size={self.src_vocab_size} and tgt_vocab_size={self.tgt_vocab_size}"
+            )
+        if self.share_embeddings and not self.tie_output:
+            raise ValueError("share_embeddings=True shares all three matrices, so it needs tie_output=True")
+        ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
+        if len(set(ids.values())) != 3:
+            raise ValueError(f"pad, bos and eos ids must differ, got {ids}")
+        for name, value in ids.items():
+            if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
+                raise ValueError(f"{name}={value} is outside the vocabulary")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: batches, optimiser, schedule (§5.3), regularisation (§5.4) and when to stop."""
+
+    max_tokens: int = 4096  # target tokens per micro-batch (the paper used about 25k per batch)
+    accumulate: int = 1  # micro-batches per update; the loss is divided, the schedule steps per update
+    lr_scale: float = 1.0  # multiplies the §5.3 formula
+    warmup_steps: int = 4000
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0  # 0 = no clipping (the paper does not clip)
+    dtype: Literal["bf16", "fp32"] = "bf16"  # autocast dtype; fp32 is exact
+    max_len: int = 256  # training pairs with more tokens than this on either side are filtered
+    max_epochs: int = 0  # 0 = no limit
+    max_updates: int = 0
+    max_minutes: float = 0.0
+    valid_every: int = 0  # updates between validations; 0 = once per epoch
+    patience: int = 0  # validations without a better BLEU before stopping; 0 = never stop early
+    keep_last: int = 5  # checkpoints kept (for averaging, §6.1)
+    valid_beam_size: int = 1  # search used for validation BLEU (greedy is fast)
+    seed: int = 1
+    skip_nonfinite: bool = False  # skip batches whose loss is not finite instead of stopping
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        for name in ("max_tokens", "accumulate", "warmup_steps", "max_len", "keep_last", "valid_beam_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        for name in ("max_epochs", "max_updates", "valid_every", "patience"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How to decode: greedy (beam_size 1) or beam search with a length penalty (§6.1)."""
+
+    beam_size: int = 4
+    alpha: float = 0.6  # length penalty weight
+    length_penalty: Literal["gnmt", "average"] = "gnmt"  # gnmt: ((5+|Y|)/6)^alpha, as in the paper
+    max_len_a: float = 1.0  # maximum output length = a * input length + b (§6.1: input + 50)
+    max_len_b: int = 50
+    n_best: int = 1
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.beam_size < 1:
+            raise ValueError(f"beam_size must be at least 1, got {self.beam_size}")
+        if not 1 <= self.n_best <= self.beam_size:
+            raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}], got {self.n_best}")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must not be negative, got {self.alpha}")
+
+
+def _model_preset(d_model: int, d_ff: int, n_heads: int, n_layers: int, dropout: float) -> dict[str, Any]:
+    return dict(
+        d_model=d_model,
+        d_ff=d_ff,
+        n_heads=n_heads,
+        n_encoder_layers=n_layers,
+        n_decoder_layers=n_layers,
+        dropout=dropout,
+    )
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": _model_preset(64, 128, 4, 2, 0.0),  # unit tests: seconds on a CPU
+    "small": _model_preset(256, 1024, 4, 3, 0.1),  # CPU training (the speed issue's `small`)
+    "base": _model_preset(512, 2048, 8, 6, 0.1),  # Table 3, base: 65M parameters
+    "big": _model_preset(1024, 4096, 16, 6, 0.3),  # Table 3, big: 213M parameters
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A named ModelConfig; `vocab_size=` sets both vocabularies, other keys override fields."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    fields = dict(PRESETS[name])
+    if "vocab_size" in overrides:
+        vocab_size = overrides.pop("vocab_size")
+        fields.update(src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
+    return from_dict(ModelConfig, {**fields, **overrides}, where="preset overrides")
+
+
+C = TypeVar("C", ModelConfig, TrainConfig, SearchConfig)
+
+
+def from_dict(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
+    """Build a config from a dict, refusing unknown keys (a typo is an error, never ignored)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown {cls.__name__} key(s) {unknown}; known keys: {sorted(known)}")
+    return cls(**values)
+
+
+def parse_overrides(cls: type[C], items: list[str]) -> dict[str, Any]:
+    """Turn ["dropout=0.3", "norm=pre"] into typed values for the fields of `cls`."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        if key not in hints:
+            raise ValueError(f"--set {item!r}: unknown {cls.__name__} key {key!r}; known keys: {sorted(hints)}")
+        out[key] = _parse_value(hints[key], text.strip(), f"--set {item!r}")
+    return out
+
+
+def _parse_value(hint: Any, text: str, where: str) -> Any:
+    if hint is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{where}: expected true or false, got {text!r}")
+    if typing.get_origin(hint) is Literal:
+        if text not in typing.get_args(hint):
+            raise ValueError(f"{where}: expected one of {list(typing.get_args(hint))}, got {text!r}")
+        return text
+    try:
+        return hint(text)
+    except ValueError:
+        raise ValueError(f"{where}: expected {hint.__name__}, got {text!r}") from None
+
+
+def _check_types(config: Any) -> None:
+    """Refuse wrong-typed values (a string where an int belongs) with the field's name."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        value, hint = getattr(config, field.name), hints[field.name]
+        if typing.get_origin(hint) is Literal:
+            ok = value in typing.get_args(hint)
+            expected = f"one of {list(typing.get_args(hint))}"
+        elif hint is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            expected = "a number"
+            if ok and isinstance(value, int):
+                object.__setattr__(config, field.name, float(value))
+        elif hint is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            expected = "an integer"
+        elif hint is bool:
+            ok = isinstance(value, bool)
+            expected = "true or false"
+        else:
+            ok, expected = True, str(hint)
+        if not ok:
+            raise ValueError(f"{type(config).__name__}.{field.name}: expected {expected}, got {value!r}")
+
+
+def save_json(config: ModelConfig | TrainConfig | SearchConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+
+
+def load_json(cls: type[C], path: str | Path) -> C:
+    """Read a config file; a bad file is a ValueError naming it."""
+    path = Path(path)
+    try:
+        values = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    return from_dict(cls, values, where=str(path))
+
+
+__all__ = [
+    "ModelConfig",
+    "TrainConfig",
+    "SearchConfig",
+    "PRESETS",
+    "preset",
+    "from_dict",
+    "parse_overrides",
+    "load_json",
+    "save_json",
+    "PAD_ID",
+    "BOS_ID",
+    "EOS_ID",
+    "UNK_ID",
+]
