@@ -175,7 +175,9 @@ def parse_overrides(cls: type[C], items: list[str]) -> dict[str, Any]:
         if not sep:
             raise ValueError(f"--set {item!r}: expected key=value")
         if key not in hints:
-            raise ValueError(f"--set {item!r}: unknown {cls.__name__} key {key!r}; known keys: {sorted(hints)}")
+            raise ValueError(
+                f"--set {item!r}: unknown {cls.__name__} key {key!r}; known keys: {sorted(hints)}"
+            )
         out[key] = _parse_value(hints[key], text.strip(), f"--set {item!r}")
     return out
 
