@@ -1,0 +1,230 @@
+"""Subword vocabularies: train, save, load, text -> ids (EOS appended) -> text, and the special tokens."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+# The same strings and ids in every vocabulary this project trains; the trainers give special tokens the
+# first ids in list order, and _check_specials makes sure of it after training and after loading.
+SPECIAL_TOKENS = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", UNK_ID: "<unk>"}
+JOINT_FILE = "tokenizer.json"
+SRC_FILE = "tokenizer.src.json"
+TGT_FILE = "tokenizer.tgt.json"
+
+_N_BYTES = 256  # byte-level BPE starts from one symbol per byte
+_WORD_MARK = "▁"  # Metaspace's mark for "a space came before this word"
+_DROPPED_ON_DECODE = frozenset({PAD_ID, BOS_ID, EOS_ID})  # UNK stays visible as "<unk>"
+
+
+class Tokenizer:
+    """Source and target vocabularies (the same object when joint) turning text into ids and back."""
+
+    def __init__(self, src: HFTokenizer, tgt: HFTokenizer, *, joint: bool) -> None:
+        assert src is tgt or not joint, "a joint tokenizer has one vocabulary"
+        self.joint = joint
+        self._src = src
+        self._tgt = tgt
+        for tok in (src, tgt):
+            # Text that happens to contain "</s>" or "<pad>" is text, not a control token. The library
+            # does not save this flag in tokenizer.json, so it is set on every object, trained or loaded.
+            tok.encode_special_tokens = True
+
+    @classmethod
+    def train(
+        cls,
+        src_texts: list[str],
+        tgt_texts: list[str],
+        *,
+        vocab_size: int = 8000,
+        kind: Literal["bpe", "word"] = "bpe",
+        joint: bool = True,
+        min_frequency: int = 2,
+    ) -> Tokenizer:
+        """Learn one vocabulary from source + target text (joint, §5.1) or one per side."""
+        if kind not in ("bpe", "word"):
+            raise ValueError(f"kind must be 'bpe' or 'word', got {kind!r}")
+        smallest = len(SPECIAL_TOKENS) + (_N_BYTES if kind == "bpe" else 1)
+        if vocab_size < smallest:
+            what = f"{_N_BYTES} byte symbols" if kind == "bpe" else "one word"
+            raise ValueError(
+                f"vocab_size={vocab_size} is too small for kind={kind!r}: it must hold the "
+                f"{len(SPECIAL_TOKENS)} special tokens and {what}, at least {smallest}"
+            )
+        if min_frequency < 1:
+            raise ValueError(f"min_frequency must be at least 1, got {min_frequency}")
+        for name, texts in (("src_texts", src_texts), ("tgt_texts", tgt_texts)):
+            if isinstance(texts, str):
+                raise TypeError(f"{name} must be a list of strings, got one string")
+            if not any(text.strip() for text in texts):
+                raise ValueError(f"{name} has no text to train on ({len(texts)} lines, all blank)")
+        if joint:
+            shared = _train(
+                itertools.chain(src_texts, tgt_texts),
+                len(src_texts) + len(tgt_texts),
+                kind=kind,
+                vocab_size=vocab_size,
+                min_frequency=min_frequency,
+            )
+            return cls(shared, shared, joint=True)
+        src = _train(src_texts, len(src_texts), kind=kind, vocab_size=vocab_size, min_frequency=min_frequency)
+        tgt = _train(tgt_texts, len(tgt_texts), kind=kind, vocab_size=vocab_size, min_frequency=min_frequency)
+        return cls(src, tgt, joint=False)
+
+    def save(self, directory: str | Path) -> None:
+        """Write tokenizer.json (joint) or tokenizer.src.json + tokenizer.tgt.json, each atomically."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.joint:
+            _write_atomic(directory / JOINT_FILE, self._src.to_str())
+            stale = (SRC_FILE, TGT_FILE)
+        else:
+            _write_atomic(directory / SRC_FILE, self._src.to_str())
+            _write_atomic(directory / TGT_FILE, self._tgt.to_str())
+            stale = (JOINT_FILE,)
+        for name in stale:  # a directory saved over with the other layout must not hold both
+            (directory / name).unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Tokenizer:
+        """Read what save() wrote; ValueError naming the directory or file if it is missing or broken."""
+        directory = Path(directory)
+        found = [name for name in (JOINT_FILE, SRC_FILE, TGT_FILE) if (directory / name).is_file()]
+        if found == [JOINT_FILE]:
+            shared = _read(directory / JOINT_FILE)
+            return cls(shared, shared, joint=True)
+        if found == [SRC_FILE, TGT_FILE]:
+            return cls(_read(directory / SRC_FILE), _read(directory / TGT_FILE), joint=False)
+        expected = f"{JOINT_FILE} alone or {SRC_FILE} with {TGT_FILE}"
+        if not found:
+            raise ValueError(f"no tokenizer in {directory}: expected {expected}")
+        raise ValueError(f"{directory} holds {', '.join(found)}: expected {expected}")
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self._src.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self._tgt.get_vocab_size(with_added_tokens=True)
+
+    def encode_src(self, texts: list[str]) -> list[list[int]]:
+        """Source ids, EOS appended, no BOS."""
+        return _encode(self._src, texts)
+
+    def encode_tgt(self, texts: list[str]) -> list[list[int]]:
+        """Target ids, EOS appended, no BOS (training prepends BOS to form the decoder input)."""
+        return _encode(self._tgt, texts)
+
+    def decode_src(self, ids: list[list[int]]) -> list[str]:
+        """Text from source ids; pad, bos and eos are dropped, unknown ids read "<unk>"."""
+        return _decode(self._src, ids)
+
+    def decode_tgt(self, ids: list[list[int]]) -> list[str]:
+        """Text from target ids; pad, bos and eos are dropped, unknown ids read "<unk>"."""
+        return _decode(self._tgt, ids)
+
+
+def _train(
+    texts: Iterable[str], length: int, *, kind: Literal["bpe", "word"], vocab_size: int, min_frequency: int
+) -> HFTokenizer:
+    specials = [SPECIAL_TOKENS[i] for i in range(len(SPECIAL_TOKENS))]
+    if kind == "bpe":
+        # Byte-level BPE: every string is a byte sequence over a 256-symbol alphabet, so no character is
+        # ever unknown and decode(encode(s)) == s for every s (no normalizer either, for the same reason).
+        # add_prefix_space=False keeps that exact; the price is that a sentence-initial word and the same
+        # word after a space are different tokens.
+        tok = HFTokenizer(models.BPE(unk_token=SPECIAL_TOKENS[UNK_ID]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+    else:
+        # Words: whitespace runs become one space, the Metaspace mark records which words followed a
+        # space, and punctuation is split off unmarked, so "shirt." -> "▁shirt" "." and decoding puts
+        # the spaces back exactly. Unknown words become <unk>, which swallows the word's mark; the
+        # Replace decoder gives it back so "a <unk> b" does not decode as "a<unk> b".
+        tok = HFTokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS[UNK_ID]))
+        tok.normalizer = normalizers.Sequence([normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Metaspace(replacement=_WORD_MARK, prepend_scheme="always", split=True),
+                pre_tokenizers.Punctuation(behavior="isolated"),
+            ]
+        )
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace(SPECIAL_TOKENS[UNK_ID], _WORD_MARK + SPECIAL_TOKENS[UNK_ID]),
+                decoders.Metaspace(replacement=_WORD_MARK, prepend_scheme="always", split=True),
+            ]
+        )
+        trainer = trainers.WordLevelTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials, show_progress=False
+        )
+    tok.train_from_iterator(texts, trainer, length=length)
+    _check_specials(tok, "the trained vocabulary")
+    return tok
+
+
+def _check_specials(tok: HFTokenizer, where: str) -> None:
+    for expected, token in SPECIAL_TOKENS.items():
+        got = tok.token_to_id(token)
+        if got != expected:
+            raise ValueError(f"{where}: special token {token!r} has id {got}, expected {expected}")
+
+
+def _encode(tok: HFTokenizer, texts: list[str]) -> list[list[int]]:
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of strings, got one string")
+    # No post-processor is configured: EOS is appended here, where it can be seen.
+    return [enc.ids + [EOS_ID] for enc in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def _decode(tok: HFTokenizer, ids: list[list[int]]) -> list[str]:
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    kept = [[i for i in seq if i not in _DROPPED_ON_DECODE] for seq in ids]
+    for seq in kept:
+        # The library silently skips ids it does not know; an id out of range means the model and the
+        # vocabulary do not belong together, which must not pass unnoticed.
+        if seq and (min(seq) < 0 or max(seq) >= vocab_size):
+            bad = next(i for i in seq if not 0 <= i < vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary of {vocab_size}")
+    return tok.decode_batch(kept, skip_special_tokens=False)
+
+
+def _read(path: Path) -> HFTokenizer:
+    raw = path.read_bytes()
+    try:
+        tok = HFTokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:  # the library raises a bare Exception for any malformed file
+        raise ValueError(f"{path} is not a valid tokenizer file: {e}") from e
+    _check_specials(tok, str(path))
+    return tok
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a vocabulary is not a secret
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
