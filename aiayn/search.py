@@ -1,0 +1,319 @@
+"""Greedy and beam search over token ids (knows nothing about text).
+
+Shapes: B sentences still being searched (finished ones are dropped), S source length,
+T target tokens so far, N beam, K = 2N candidates per sentence, V vocabulary.
+
+The contract, the same for greedy and beam search:
+- src (B, S) is padded with the model's pad id; results come back in input order.
+- Each sentence may produce at most floor(a * its non-pad source length + b) tokens, EOS included
+  (SearchConfig.max_len_a/max_len_b; §6.1 "input length + 50"). A hypothesis that reaches that
+  length without EOS is finished there.
+- One decoder position per step on the model's key/value cache; log-softmax in float32; sentences
+  that are done leave the batch, so no work is spent on them.
+- Scores are log-probabilities divided by a length penalty lp(|Y|), where |Y| counts the EOS token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from aiayn.config import ModelConfig, SearchConfig
+from aiayn.model import DecoderCache, Memory
+
+
+class Seq2Seq(Protocol):
+    """The narrow model interface search uses: `Transformer` has it; the tests script a toy one."""
+
+    config: ModelConfig
+
+    def encode(self, src: Tensor) -> Memory: ...
+
+    def new_cache(self, memory: Memory, max_len: int) -> DecoderCache: ...
+
+    def decode(self, tgt_in: Tensor, memory: Memory, cache: DecoderCache | None = None) -> Tensor: ...
+
+
+@dataclass
+class Hypothesis:
+    """One finished output."""
+
+    tokens: list[int]  # without BOS and without the final EOS
+    score: float  # log_prob / length_penalty: what hypotheses are ranked by
+    log_prob: float  # sum of the token log-probabilities, EOS included when it was produced
+
+
+def length_penalty(length: int | Tensor, alpha: float, kind: str = "gnmt") -> float | Tensor:
+    """lp(|Y|), which a hypothesis' log-probability is divided by; |Y| counts EOS (as fairseq does).
+
+    gnmt: ((5 + |Y|) / 6)^alpha, Wu et al. 2016 (eq. 14), what the paper used with alpha 0.6 (§6.1).
+    average: |Y|^alpha, as fairseq and Hugging Face (a deviation, see docs/deviations.md).
+    """
+    if isinstance(length, Tensor):
+        length = length.float()
+    if kind == "gnmt":
+        return ((5 + length) / 6) ** alpha
+    if kind == "average":
+        return length**alpha
+    raise ValueError(f"unknown length penalty {kind!r}; choose 'gnmt' or 'average'")
+
+
+def max_lengths(src: Tensor, config: SearchConfig, pad_id: int) -> Tensor:
+    """(B,) most output tokens per sentence, EOS included: floor(a * source length + b) (§6.1)."""
+    src_len = (src != pad_id).sum(dim=1).tolist()  # in Python floats: exact for any a and b
+    limit = [math.floor(config.max_len_a * n + config.max_len_b) for n in src_len]
+    return torch.tensor(limit, dtype=torch.long, device=src.device)  # (B,)
+
+
+def _limits(max_len: Tensor | int, src: Tensor) -> Tensor:
+    """max_len as (B,) on src's device, checked."""
+    if src.dim() != 2:
+        raise ValueError(f"src must be (batch, source length) token ids, got shape {tuple(src.shape)}")
+    B = src.size(0)
+    if isinstance(max_len, int):
+        limit = torch.full((B,), max_len, dtype=torch.long, device=src.device)  # (B,)
+    else:
+        limit = max_len.to(device=src.device, dtype=torch.long)
+        if limit.shape != (B,):
+            raise ValueError(f"max_len must be an int or a ({B},) tensor, got shape {tuple(limit.shape)}")
+    if B and int(limit.min()) < 1:
+        raise ValueError(f"every maximum output length must be at least 1, got {limit.tolist()}")
+    return limit
+
+
+# --- Greedy ----------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def greedy_search(
+    model: Seq2Seq, src: Tensor, *, max_len: Tensor | int, no_eos: bool = False
+) -> list[list[int]]:
+    """The most probable next token at every step; tokens without BOS and EOS, in input order.
+
+    max_len: an int for every sentence or a (B,) tensor (`max_lengths` computes the §6.1 one).
+    no_eos: never choose EOS, so every output has exactly max_len tokens (for speed benchmarks).
+    """
+    return [h.tokens for h in _greedy(model, src, _limits(max_len, src), no_eos, 0.0, "gnmt")]
+
+
+def _greedy(
+    model: Seq2Seq, src: Tensor, limit: Tensor, no_eos: bool, alpha: float, kind: str
+) -> list[Hypothesis]:
+    pad, bos, eos = model.config.pad_id, model.config.bos_id, model.config.eos_id
+    B = src.size(0)
+    if B == 0:
+        return []
+    T = int(limit.max())
+    memory = model.encode(src)  # states (B, S, D)
+    cache = model.new_cache(memory, T)  # T decoder positions: BOS and the first T-1 outputs
+    rows = torch.arange(B, device=src.device)  # (B,) input position of each live sentence
+    out = src.new_full((B, T), pad)  # (B, T) all sentences, live or done
+    log_prob = torch.zeros(B, device=src.device)  # (B,) float32
+    length = limit.clone()  # (B,) tokens produced, EOS included; set when a sentence stops
+    last = src.new_full((B, 1), bos)  # (B, 1)
+    for t in range(T):
+        logits = model.decode(last, memory, cache)[:, -1]  # (B, V)
+        lprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+        if no_eos:
+            lprobs[:, eos] = -math.inf
+        best, token = lprobs.max(dim=-1)  # (B,), (B,)
+        out[rows, t] = token
+        log_prob[rows] += best
+        done = (token == eos) | (limit[rows] <= t + 1)  # (B,)
+        if bool(done.any()):
+            length[rows[done]] = t + 1
+            keep = (~done).nonzero().squeeze(1)  # (B',)
+            if keep.numel() == 0:
+                break
+            cache.reorder(keep)  # the finished sentences leave the batch
+            memory = memory.index_select(keep)
+            rows, token = rows[keep], token[keep]  # (B',)
+        last = token[:, None]  # (B, 1)
+    penalty = length_penalty(length, alpha, kind)  # (B,)
+    score = (log_prob / penalty).tolist()
+    results = []
+    for tokens, n, lp, s in zip(out.tolist(), length.tolist(), log_prob.tolist(), score):
+        tokens = tokens[: n - 1] if tokens[n - 1] == eos else tokens[:n]
+        results.append(Hypothesis(tokens, s, lp))
+    return results
+
+
+# --- Beam search -----------------------------------------------------------------------------------
+
+
+@dataclass
+class BeamState:
+    """The live part of a beam search; the rows of sentences that are done have been dropped."""
+
+    rows: Tensor  # (B,) input position of each live sentence
+    limit: Tensor  # (B,) its maximum output length, EOS included
+    tokens: Tensor  # (B*N, T) the live hypotheses so far, the N of a sentence next to each other
+    scores: Tensor  # (B, N) their summed log-probabilities, float32, best first
+    n_finished: Tensor  # (B,) finished hypotheses so far
+    best_finished: Tensor  # (B, n_best) the best finished scores, descending; -inf where there are fewer
+
+    def select(self, keep: Tensor) -> None:
+        """Keep only sentences `keep` (B',)."""
+        N = self.scores.size(1)
+        self.rows, self.limit = self.rows[keep], self.limit[keep]  # (B',)
+        self.tokens = self.tokens.view(-1, N, self.tokens.size(1))[keep].flatten(0, 1)  # (B'*N, T)
+        self.scores = self.scores[keep]  # (B', N)
+        self.n_finished = self.n_finished[keep]  # (B',)
+        self.best_finished = self.best_finished[keep]  # (B', n_best)
+
+
+@torch.inference_mode()
+def beam_search(
+    model: Seq2Seq,
+    src: Tensor,
+    config: SearchConfig,
+    *,
+    max_len: Tensor | int | None = None,
+    no_eos: bool = False,
+) -> list[list[Hypothesis]]:
+    """config.n_best hypotheses per sentence, best first, in input order (§6.1: beam 4, alpha 0.6).
+
+    Each step, every live hypothesis is extended by every token and the 2N best candidates of a
+    sentence are kept (beam 0 alone on the first step, as all beams are equal then). A candidate
+    ending in EOS is finished if it ranks among the N best (as fairseq: then beam 1 follows greedy);
+    the N best others stay live. At its maximum length every one of the N best is finished.
+
+    A sentence is done when it has n_best finished hypotheses and no live one can beat the n_best-th
+    best of them: continuing only adds log-probabilities <= 0, and lp grows with length up to
+    lp(max_len), so best live log-prob / lp(max_len) bounds every future score. This is exact
+    for the result (stopping later would return the same n_best), unlike stopping at N finished.
+
+    max_len: override the SearchConfig lengths (an int or a (B,) tensor).
+    no_eos: never choose EOS, so every output has exactly max_len tokens (for speed benchmarks).
+    """
+    if max_len is None:
+        max_len = max_lengths(src, config, model.config.pad_id)
+    limit = _limits(max_len, src)  # (B,)
+    eos, bos = model.config.eos_id, model.config.bos_id
+    N, K, n_best = config.beam_size, 2 * config.beam_size, config.n_best
+    alpha, kind = config.alpha, config.length_penalty
+    B, device = src.size(0), src.device
+    if B == 0:
+        return []
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]  # by input position
+
+    memory = model.encode(src)  # states (B, S, D)
+    T = int(limit.max())
+    cache = model.new_cache(memory, T)  # T decoder positions: BOS and the first T-1 outputs
+    expand = torch.arange(B, device=device).repeat_interleave(N)  # (B*N,)
+    cache.reorder(expand)  # cross-attention keys/values computed once per sentence, then repeated
+    memory = memory.index_select(expand)  # states (B*N, S, D)
+    scores = torch.full((B, N), -math.inf, device=device)  # (B, N)
+    scores[:, 0] = 0.0  # first step: expand beam 0 only
+    state = BeamState(
+        rows=torch.arange(B, device=device),
+        limit=limit,
+        tokens=src.new_empty(B * N, 0),
+        scores=scores,
+        n_finished=torch.zeros(B, dtype=torch.long, device=device),
+        best_finished=torch.full((B, n_best), -math.inf, device=device),
+    )
+    last = src.new_full((B * N, 1), bos)  # (B*N, 1)
+    for t in range(T):
+        B = state.rows.numel()
+        logits = model.decode(last, memory, cache)[:, -1]  # (B*N, V)
+        lprobs = torch.log_softmax(logits.float(), dim=-1)  # (B*N, V)
+        if no_eos:
+            lprobs[:, eos] = -math.inf
+        V = lprobs.size(-1)
+        candidates = (state.scores.view(-1, 1) + lprobs).view(B, N * V)  # (B, N*V)
+        top, flat = candidates.topk(K, dim=1)  # (B, K), best first
+        parent = flat // V + N * torch.arange(B, device=device)[:, None]  # (B, K) row in tokens/cache
+        token = flat % V  # (B, K)
+        is_eos = token == eos  # (B, K)
+        at_limit = state.limit <= t + 1  # (B,)
+
+        # Finished: EOS among the N best candidates; all N best when the sentence is at its limit.
+        final = torch.zeros_like(is_eos)  # (B, K)
+        final[:, :N] = is_eos[:, :N] | at_limit[:, None]
+        penalised = top / length_penalty(t + 1, alpha, kind)  # (B, K); all have length t+1
+        new = penalised.masked_fill(~final, -math.inf)  # (B, K)
+        both = torch.cat([state.best_finished, new], dim=1)  # (B, n_best + K)
+        state.best_finished = both.topk(n_best, dim=1).values  # (B, n_best)
+        state.n_finished += final.sum(dim=1)
+
+        # Live: the N best candidates that do not end in EOS (there are at least N of the 2N).
+        live = is_eos.int().sort(dim=1, stable=True).indices[:, :N]  # (B, N) in score order
+        state.scores = top.gather(1, live)  # (B, N)
+        live_parent = parent.gather(1, live)  # (B, N)
+        live_token = token.gather(1, live)  # (B, N)
+
+        bound = state.scores[:, 0] / length_penalty(state.limit, alpha, kind)  # (B,)
+        worst = state.best_finished[:, -1]  # (B,) the n_best-th best finished score
+        done = at_limit | ((state.n_finished >= n_best) & (bound <= worst))  # (B,)
+        any_final, any_done = torch.stack([final.any(), done.any()]).tolist()  # the step's one sync
+        if any_final:
+            _collect(finished, state, final, parent, token, top, penalised, eos)
+
+        index = live_parent.flatten()  # (B*N,) which cache row each new live hypothesis extends
+        state.tokens = torch.cat([state.tokens[index], live_token.view(-1, 1)], dim=1)  # (B*N, T+1)
+        if any_done:  # drop the sentences that are done from the batch
+            keep = (~done).nonzero().squeeze(1)  # (B',)
+            if keep.numel() == 0:
+                break
+            state.select(keep)
+            index = index.view(B, N)[keep].flatten()  # (B'*N,)
+            memory = memory.index_select((keep[:, None] * N + torch.arange(N, device=device)).flatten())
+        cache.reorder(index)  # one reorder per step: beams follow their parents, done sentences leave
+        last = state.tokens[:, -1:]  # (B*N, 1)
+
+    return [sorted(hyps, key=lambda h: h.score, reverse=True)[:n_best] for hyps in finished]
+
+
+def _collect(
+    finished: list[list[Hypothesis]],
+    state: BeamState,
+    final: Tensor,
+    parent: Tensor,
+    token: Tensor,
+    top: Tensor,
+    penalised: Tensor,
+    eos: int,
+) -> None:
+    """Append the candidates marked `final` (B, K) to the finished lists of their sentences."""
+    sentence, rank = final.nonzero().unbind(1)  # (F,), (F,)
+    prefix = state.tokens[parent[sentence, rank]].tolist()  # F x T
+    rows = state.rows[sentence].tolist()
+    last = token[sentence, rank].tolist()
+    log_prob = top[sentence, rank].tolist()
+    score = penalised[sentence, rank].tolist()
+    for row, tokens, tok, lp, s in zip(rows, prefix, last, log_prob, score):
+        finished[row].append(Hypothesis(tokens if tok == eos else [*tokens, tok], s, lp))
+
+
+@torch.inference_mode()
+def search(
+    model: Seq2Seq,
+    src: Tensor,
+    config: SearchConfig,
+    *,
+    max_len: Tensor | int | None = None,
+    no_eos: bool = False,
+) -> list[list[Hypothesis]]:
+    """Beam search, or greedy search when beam_size is 1, scored with the same length penalty."""
+    if config.beam_size > 1:
+        return beam_search(model, src, config, max_len=max_len, no_eos=no_eos)
+    if max_len is None:
+        max_len = max_lengths(src, config, model.config.pad_id)
+    hyps = _greedy(model, src, _limits(max_len, src), no_eos, config.alpha, config.length_penalty)
+    return [[h] for h in hyps]
+
+
+__all__ = [
+    "Hypothesis",
+    "BeamState",
+    "greedy_search",
+    "beam_search",
+    "search",
+    "length_penalty",
+    "max_lengths",
+]
