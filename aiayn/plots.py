@@ -1,0 +1,88 @@
+"""Pictures of training and of attention: loss/BLEU curves and attention heatmaps (matplotlib, PNG)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no screen
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from aiayn.translate import Translator  # noqa: E402
+
+
+def plot_curves(metrics: str | Path, out: str | Path) -> Path:
+    """Training loss against updates and validation BLEU against minutes, from metrics.jsonl."""
+    records = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+    train = [r for r in records if "loss" in r]
+    valid = [r for r in records if "valid_bleu" in r]
+    fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+    if valid:
+        ax_loss.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-", label="validation")
+        ax_loss.legend()
+    ax_loss.set(xlabel="update", ylabel="label-smoothed loss per token", title="Loss")
+    ax_loss.grid(alpha=0.3)
+    ax_bleu.plot([r["minutes"] for r in valid], [r["valid_bleu"] for r in valid], "o-", color="C2")
+    ax_bleu.set(xlabel="minutes of training", ylabel="sacreBLEU", title="Validation BLEU")
+    ax_bleu.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return Path(out)
+
+
+def token_labels(decode: callable, ids: list[int]) -> list[str]:
+    """One readable label per id (its text piece; specials by name)."""
+    names = {0: "<pad>", 1: "<s>", 2: "</s>"}
+    return [names.get(i) or decode([[i]])[0].replace(" ", "▁") or "·" for i in ids]
+
+
+def plot_attention(translator: Translator, source: str, out_dir: str | Path, layer: int = -1) -> list[Path]:
+    """Heatmaps of encoder self, decoder self and encoder-decoder attention for one sentence.
+
+    The target side is the model's own greedy translation; one panel per head of `layer`.
+    Returns the three PNG paths.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok, model = translator.tokenizer, translator.model
+    src_ids = tok.encode_src([source])[0]
+    hyp = translator.translate_ids([src_ids], translator.search_config.__class__(beam_size=1))[0][0].tokens
+    tgt_in = [model.config.bos_id] + hyp
+    device = translator.device
+    maps = model.attention_maps(torch.tensor([src_ids], device=device), torch.tensor([tgt_in], device=device))
+    src_labels = token_labels(tok.decode_src, src_ids)
+    tgt_labels = token_labels(tok.decode_tgt, tgt_in)
+    panels = {
+        "encoder": ("Encoder self-attention", src_labels, src_labels),
+        "decoder": ("Decoder masked self-attention", tgt_labels, tgt_labels),
+        "cross": ("Encoder-decoder attention", tgt_labels, src_labels),
+    }
+    paths = []
+    for name, (title, rows, cols) in panels.items():
+        weights = maps[name][layer][0].float().cpu()  # (H, L, M)
+        H = weights.size(0)
+        ncols = min(H, 4)
+        nrows = (H + ncols - 1) // ncols
+        side = max(2.5, 0.32 * max(len(rows), len(cols)))
+        fig, axes = plt.subplots(nrows, ncols, figsize=(side * ncols, side * nrows), squeeze=False)
+        for h, ax in enumerate(axes.flat):
+            if h >= H:
+                ax.axis("off")
+                continue
+            ax.imshow(weights[h], cmap="viridis", vmin=0.0, vmax=1.0)
+            ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=8)
+            ax.set_yticks(range(len(rows)), rows, fontsize=8)
+            ax.set_title(f"head {h + 1}", fontsize=9)
+        n_layers = len(maps[name])
+        fig.suptitle(f"{title}, layer {layer % n_layers + 1} of {n_layers} (rows attend to columns)")
+        fig.tight_layout()
+        path = out_dir / f"attention_{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,352 @@
+"""Training: label-smoothed loss (§5.4), the warmup schedule (§5.3) and the explicit training loop."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import sacrebleu
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from aiayn import checkpoint
+from aiayn.config import ModelConfig, SearchConfig, TrainConfig, load_json, save_json
+from aiayn.data import collate, filter_lengths, make_batches
+from aiayn.model import Transformer
+from aiayn.tokenizer import Tokenizer
+from aiayn.translate import Translator, default_device
+
+# --- §5.4 Label smoothing ---------------------------------------------------------------------------
+
+
+def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Summed label-smoothed cross-entropy and summed NLL over non-pad targets.
+
+    logits (B, T, V), target (B, T). PyTorch's `label_smoothing` spreads epsilon uniformly over
+    all V classes (q = (1 - eps) * onehot + eps / V), as in the paper's eps_ls = 0.1.
+    """
+    flat, gold = logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1)  # (B*T, V), (B*T,)
+    loss = F.cross_entropy(flat, gold, ignore_index=pad_id, label_smoothing=epsilon, reduction="sum")
+    with torch.no_grad():
+        nll = F.cross_entropy(flat, gold, ignore_index=pad_id, reduction="sum")
+    return loss, nll
+
+
+# --- §5.3 Optimizer and schedule --------------------------------------------------------------------
+
+
+def learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
+    """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5), step counted from 1."""
+    step = max(step, 1)
+    return scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def make_optimizer(model: Transformer, config: TrainConfig) -> torch.optim.Optimizer:
+    """Adam(beta1 0.9, beta2 0.98, eps 1e-9); the learning rate is set before every update."""
+    return torch.optim.Adam(
+        model.parameters(), lr=0.0, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps
+    )
+
+
+# --- The training loop ------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint so a resumed run continues exactly."""
+
+    step: int = 0  # updates done
+    epoch: int = 0  # current epoch (0-based)
+    batch: int = 0  # next micro-batch of this epoch
+    best_bleu: float = -1.0
+    bad_validations: int = 0  # validations since the best BLEU
+    minutes: float = 0.0  # training time before this process
+
+
+@dataclass
+class Corpus:
+    """Tokenized training and validation text."""
+
+    src_ids: list[list[int]]
+    tgt_ids: list[list[int]]
+    valid_src: list[str]
+    valid_tgt: list[str]
+
+
+class Stop(Exception):
+    """Raised by the loop to end training; carries the reason."""
+
+
+def rng_state() -> dict[str, Any]:
+    """The random state training consumes (dropout); data order comes from (seed, epoch) alone."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def validate(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    config: TrainConfig,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Validation loss, perplexity and BLEU (sacreBLEU, detokenized, 13a)."""
+    model.eval()
+    src_ids, tgt_ids = tokenizer.encode_src(corpus.valid_src), tokenizer.encode_tgt(corpus.valid_tgt)
+    keep, _ = filter_lengths(src_ids, tgt_ids, config.max_len)
+    loss_sum = nll_sum = tokens = 0.0
+    lens = [len(src_ids[i]) for i in keep], [len(tgt_ids[i]) for i in keep]
+    with torch.no_grad(), autocast(device, config.dtype):
+        for batch in make_batches(*lens, config.max_tokens, seed=0, epoch=0):
+            src, tgt_in, tgt_out = (
+                t.to(device) for t in collate(src_ids, tgt_ids, [keep[i] for i in batch], 0, 1)
+            )
+            loss, nll = label_smoothed_loss(model(src, tgt_in), tgt_out, config.label_smoothing, 0)
+            loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
+            tokens += (tgt_out != model.config.pad_id).sum().item()
+    translator = Translator(model, tokenizer, SearchConfig(beam_size=config.valid_beam_size), config.dtype)
+    hyps = translator.translate(corpus.valid_src)
+    bleu = sacrebleu.corpus_bleu(hyps, [corpus.valid_tgt])
+    model.train()
+    return {
+        "valid_loss": loss_sum / max(tokens, 1),
+        "valid_ppl": math.exp(min(nll_sum / max(tokens, 1), 50)),
+        "valid_bleu": bleu.score,
+        "examples": list(zip(corpus.valid_src[:3], corpus.valid_tgt[:3], hyps[:3])),
+    }
+
+
+def train(
+    out: str | Path,
+    model_config: ModelConfig,
+    train_config: TrainConfig,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    resume: bool = False,
+    device: torch.device | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train into OUT (a model directory plus checkpoints/); returns the final metrics.
+
+    The model directory OUT always holds a loadable model: the best by validation BLEU so far.
+    """
+    out, device = Path(out), device or default_device()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = train_config
+    torch.manual_seed(cfg.seed)
+    model = Transformer(model_config).to(device)
+    optimizer = make_optimizer(model, cfg)
+    state = Progress()
+    if resume and checkpoint.list_checkpoints(out):
+        last = checkpoint.list_checkpoints(out)[-1]
+        saved = checkpoint.load_state(last)
+        checkpoint.load_weights(model, last / checkpoint.WEIGHTS)
+        optimizer.load_state_dict(saved["optimizer"])
+        state = Progress(**saved["progress"])
+        set_rng_state(saved["rng"])
+        log(out, {"event": "resume", "checkpoint": str(last), **asdict(state)}, progress)
+    elif not (out / checkpoint.CONFIG).exists():
+        checkpoint.save_model(out, model, tokenizer)  # OUT is loadable from the start
+    checkpoint.atomic_write(out / checkpoint.TRAIN_CONFIG, lambda p: save_json(cfg, p))
+
+    keep, too_long = filter_lengths(corpus.src_ids, corpus.tgt_ids, cfg.max_len)
+    if not keep:
+        raise ValueError(f"no training pair has at most max_len={cfg.max_len} tokens on both sides")
+    src_ids = [corpus.src_ids[i] for i in keep]
+    tgt_ids = [corpus.tgt_ids[i] for i in keep]
+    src_lens, tgt_lens = [len(x) for x in src_ids], [len(x) for x in tgt_ids]
+    log(
+        out,
+        {"event": "data", "pairs": len(keep), "too_long": too_long, "params": model.num_parameters()},
+        progress,
+    )
+
+    stop_signal: list[str] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop_signal.append(signal.Signals(signum).name)
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    start = time.monotonic()
+    model.train()
+    bar = tqdm(desc="train", unit="upd", disable=not progress, dynamic_ncols=True)
+    tokens_seen, tick = 0, time.monotonic()
+    reason = "max_epochs"
+    try:
+        while not cfg.max_epochs or state.epoch < cfg.max_epochs:
+            batches = make_batches(src_lens, tgt_lens, cfg.max_tokens, seed=cfg.seed, epoch=state.epoch)
+            while state.batch < len(batches):
+                group = batches[state.batch : state.batch + cfg.accumulate]
+                state.batch += len(group)
+                tensors = [
+                    [
+                        t.to(device)
+                        for t in collate(src_ids, tgt_ids, b, model_config.pad_id, model_config.bos_id)
+                    ]
+                    for b in group
+                ]
+                # Gradient accumulation: every micro-batch's summed loss is divided by the tokens
+                # of the whole update, so k micro-batches give exactly the gradient of one batch.
+                n_tokens = sum(int((tgt_out != model_config.pad_id).sum()) for _, _, tgt_out in tensors)
+                loss_total = 0.0
+                for src, tgt_in, tgt_out in tensors:
+                    with autocast(device, cfg.dtype):
+                        logits = model(src, tgt_in)  # (B, T, V)
+                    loss, _ = label_smoothed_loss(logits, tgt_out, cfg.label_smoothing, model_config.pad_id)
+                    (loss / n_tokens).backward()
+                    loss_total += loss.item()
+                if not math.isfinite(loss_total):
+                    optimizer.zero_grad(set_to_none=True)
+                    if cfg.skip_nonfinite:
+                        log(out, {"event": "skip_nonfinite", "update": state.step + 1}, progress)
+                        continue
+                    raise ValueError(
+                        f"update {state.step + 1}: the loss is {loss_total} (not finite); the last good "
+                        f"checkpoint is kept in {out / checkpoint.CHECKPOINTS}. Lower lr_scale, or use "
+                        "--set skip_nonfinite=true to skip such batches"
+                    )
+                if cfg.clip_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+                state.step += 1  # the schedule steps once per update, never per micro-batch
+                lr = learning_rate(state.step, model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
+                for g in optimizer.param_groups:
+                    g["lr"] = lr
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+                tokens_seen += n_tokens
+                minutes = state.minutes + (time.monotonic() - start) / 60
+                bar.update(1)
+                if state.step % 10 == 0:
+                    rate = tokens_seen / max(time.monotonic() - tick, 1e-9)
+                    bar.set_postfix(
+                        epoch=state.epoch + 1,
+                        loss=f"{loss_total / n_tokens:.3f}",
+                        lr=f"{lr:.2e}",
+                        tok_s=f"{rate:.0f}",
+                    )
+                    log_metrics(
+                        out,
+                        {
+                            "step": state.step,
+                            "epoch": state.epoch,
+                            "loss": loss_total / n_tokens,
+                            "lr": lr,
+                            "tokens_per_s": rate,
+                            "minutes": minutes,
+                        },
+                    )
+                    tokens_seen, tick = 0, time.monotonic()
+
+                if cfg.valid_every and state.step % cfg.valid_every == 0:
+                    end_validation(out, model, tokenizer, corpus, cfg, device, state, optimizer, start, bar)
+                if stop_signal:
+                    raise Stop(f"signal {stop_signal[0]}")
+                if cfg.max_updates and state.step >= cfg.max_updates:
+                    raise Stop("max_updates")
+                if cfg.max_minutes and minutes >= cfg.max_minutes:
+                    raise Stop("max_minutes")
+            state.epoch, state.batch = state.epoch + 1, 0
+            if not cfg.valid_every:
+                end_validation(out, model, tokenizer, corpus, cfg, device, state, optimizer, start, bar)
+    except Stop as stop:
+        reason = str(stop)
+    finally:
+        bar.close()
+        for s, handler in old_handlers.items():
+            signal.signal(s, handler)
+    last = checkpoint.list_checkpoints(out)
+    if not last or not last[-1].name.endswith(f"{state.step:08d}"):
+        save(out, model, tokenizer, cfg, state, optimizer, start)
+    if not corpus.valid_src:  # nothing to choose the best by: OUT holds the latest weights
+        checkpoint.save_weights(model, out / checkpoint.WEIGHTS)
+    result = {"event": "stop", "reason": reason, "step": state.step, "best_bleu": state.best_bleu}
+    log(out, result, progress)
+    return result
+
+
+def end_validation(
+    out: Path,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    cfg: TrainConfig,
+    device: torch.device,
+    state: Progress,
+    optimizer: torch.optim.Optimizer,
+    start: float,
+    bar: tqdm,
+) -> None:
+    """Validate, save a checkpoint, keep the best model in OUT; raise Stop when patience runs out."""
+    metrics = validate(model, tokenizer, corpus, cfg, device) if corpus.valid_src else {}
+    examples = metrics.pop("examples", [])
+    minutes = state.minutes + (time.monotonic() - start) / 60
+    log_metrics(out, {"step": state.step, "epoch": state.epoch, "minutes": minutes, **metrics})
+    if metrics:
+        lines = [
+            f"step {state.step}  epoch {state.epoch}  valid loss {metrics['valid_loss']:.3f}  "
+            f"ppl {metrics['valid_ppl']:.2f}  BLEU {metrics['valid_bleu']:.2f}"
+        ]
+        for source, target, predicted in examples:
+            lines += [f"  SOURCE    {source}", f"  TARGET    {target}", f"  PREDICTED {predicted}"]
+        bar.write("\n".join(lines))
+    improved = not metrics or metrics["valid_bleu"] > state.best_bleu
+    if improved:
+        state.best_bleu = metrics.get("valid_bleu", state.best_bleu)
+        state.bad_validations = 0
+        checkpoint.save_weights(model, out / checkpoint.WEIGHTS)  # OUT holds the best model
+    else:
+        state.bad_validations += 1
+    save(out, model, tokenizer, cfg, state, optimizer, start)
+    if cfg.patience and state.bad_validations >= cfg.patience:
+        raise Stop(f"no better BLEU in {cfg.patience} validations")
+
+
+def save(
+    out: Path,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    cfg: TrainConfig,
+    state: Progress,
+    optimizer: torch.optim.Optimizer,
+    start: float,
+) -> None:
+    saved = replace(state, minutes=state.minutes + (time.monotonic() - start) / 60)
+    payload = {"optimizer": optimizer.state_dict(), "progress": asdict(saved), "rng": rng_state()}
+    checkpoint.save_checkpoint(out, state.step, model, tokenizer, cfg, payload)
+    checkpoint.prune_checkpoints(out, cfg.keep_last)
+
+
+def log_metrics(out: Path, record: dict[str, Any]) -> None:
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def log(out: Path, record: dict[str, Any], progress: bool) -> None:
+    log_metrics(out, record)
+    if progress:
+        tqdm.write(json.dumps(record))
+
+
+def load_train_config(out: str | Path) -> TrainConfig:
+    return load_json(TrainConfig, Path(out) / checkpoint.TRAIN_CONFIG)

@@ -1,0 +1,120 @@
+"""Translator: text in, text out; the one place that joins tokenizer, model and search."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tqdm import tqdm
+
+from aiayn.checkpoint import load_model
+from aiayn.config import SearchConfig
+from aiayn.model import Transformer
+from aiayn.search import Hypothesis, search
+from aiayn.tokenizer import Tokenizer
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Translator:
+    """`Translator.load(dir).translate(["Ein Hund läuft."])` -> ["A dog runs."]."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        search_config: SearchConfig | None = None,
+        dtype: Literal["fp32", "bf16"] = "fp32",
+        batch_tokens: int = 4096,
+    ):
+        if tokenizer.src_vocab_size != model.config.src_vocab_size or (
+            tokenizer.tgt_vocab_size != model.config.tgt_vocab_size
+        ):
+            raise ValueError(
+                f"tokenizer vocabulary sizes ({tokenizer.src_vocab_size}, {tokenizer.tgt_vocab_size}) differ "
+                f"from the model's ({model.config.src_vocab_size}, {model.config.tgt_vocab_size})"
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.search_config = search_config or SearchConfig()
+        self.dtype = dtype
+        self.batch_tokens = batch_tokens  # source tokens x beam per batch
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | Path,
+        search_config: SearchConfig | None = None,
+        dtype: Literal["fp32", "bf16"] = "fp32",
+        device: str | torch.device | None = None,
+    ) -> Translator:
+        model = load_model(directory, device or default_device())
+        return cls(model, Tokenizer.load(directory), search_config, dtype)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def batches(self, lengths: list[int], beam_size: int) -> Iterator[list[int]]:
+        """Indices of non-empty inputs, longest first, in batches of at most batch_tokens x beam."""
+        order = sorted((i for i, n in enumerate(lengths) if n > 1), key=lambda i: -lengths[i])
+        batch: list[int] = []
+        for i in order:
+            if batch and (len(batch) + 1) * lengths[batch[0]] * beam_size > self.batch_tokens:
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    def translate_ids(
+        self, ids: list[list[int]], search_config: SearchConfig, progress: bool = False
+    ) -> list[list[Hypothesis]]:
+        """Token ids (EOS-terminated) -> n-best hypotheses per sentence, in input order.
+
+        An input that is only EOS (an empty line) gives one empty hypothesis without running the model.
+        """
+        results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in ids]
+        lengths = [len(x) for x in ids]
+        pad = self.model.config.pad_id
+        bar = tqdm(total=len(ids), unit="sent", disable=not progress, leave=False)
+        with torch.inference_mode(), self.autocast():
+            for batch in self.batches(lengths, search_config.beam_size):
+                width = max(lengths[i] for i in batch)
+                src = torch.full((len(batch), width), pad, dtype=torch.long)  # (B, S)
+                for row, i in enumerate(batch):
+                    src[row, : lengths[i]] = torch.tensor(ids[i])
+                for i, hyps in zip(batch, search(self.model, src.to(self.device), search_config)):
+                    results[i] = hyps
+                bar.update(len(batch))
+        bar.close()
+        return results
+
+    def translate(self, texts: list[str], beam_size: int | None = None, progress: bool = False) -> list[str]:
+        """One output line per input line, in order; an empty input line gives an empty output line."""
+        config = self.search_config if beam_size is None else replace(self.search_config, beam_size=beam_size)
+        config = replace(config, n_best=1)
+        hyps = self.translate_ids(self.tokenizer.encode_src(texts), config, progress)
+        return self.tokenizer.decode_tgt([h[0].tokens for h in hyps])
+
+    def translate_n_best(self, texts: list[str], n_best: int) -> list[list[tuple[str, float]]]:
+        """n-best lists: for each input, (translation, score) best first."""
+        config = replace(
+            self.search_config, n_best=n_best, beam_size=max(n_best, self.search_config.beam_size)
+        )
+        hyps = self.translate_ids(self.tokenizer.encode_src(texts), config)
+        return [
+            list(zip(self.tokenizer.decode_tgt([h.tokens for h in group]), [h.score for h in group]))
+            for group in hyps
+        ]
