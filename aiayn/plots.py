@@ -66,10 +66,10 @@ def plot_attention(translator: Translator, source: str, out_dir: str | Path, lay
     for name, (title, rows, cols) in panels.items():
         weights = maps[name][layer][0].float().cpu()  # (H, L, M)
         H = weights.size(0)
-        ncols = min(H, 4)
+        ncols = min(H, 2 if H == 4 else 4)
         nrows = (H + ncols - 1) // ncols
-        side = max(2.5, 0.32 * max(len(rows), len(cols)))
-        fig, axes = plt.subplots(nrows, ncols, figsize=(side * ncols, side * nrows), squeeze=False)
+        width, height = min(12.0, 1.5 + 0.3 * len(cols)), min(12.0, 1.2 + 0.3 * len(rows))
+        fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows + 0.6), squeeze=False)
         for h, ax in enumerate(axes.flat):
             if h >= H:
                 ax.axis("off")

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -189,10 +190,21 @@ def train(
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     start = time.monotonic()
     model.train()
-    bar = tqdm(desc="train", unit="upd", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        desc="train",
+        unit="upd",
+        disable=not progress,
+        dynamic_ncols=True,
+        mininterval=1 if sys.stderr.isatty() else 30,
+    )
     tokens_seen, tick = 0, time.monotonic()
     reason = "max_epochs"
     try:
+        # A resumed run that is already done stops before taking one more update.
+        if cfg.max_updates and state.step >= cfg.max_updates:
+            raise Stop("max_updates")
+        if cfg.max_minutes and state.minutes >= cfg.max_minutes:
+            raise Stop("max_minutes")
         while not cfg.max_epochs or state.epoch < cfg.max_epochs:
             batches = make_batches(src_lens, tgt_lens, cfg.max_tokens, seed=cfg.seed, epoch=state.epoch)
             while state.batch < len(batches):
