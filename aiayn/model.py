@@ -55,7 +55,7 @@ class Embedding(nn.Module):
                 )
             return self.positions.weight[:end]
         if end > self.table.size(0):
-            self.table = sinusoids(max(end, 2 * self.table.size(0)), self.d_model).to(self.table.device)
+            self.table = sinusoids(max(end, 2 * self.table.size(0)), self.d_model).to(self.table)
         return self.table[:end]
 
     def forward(self, ids: Tensor, start: int = 0) -> Tensor:
