@@ -162,7 +162,10 @@ def from_dict(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"{where}: unknown {cls.__name__} key(s) {unknown}; known keys: {sorted(known)}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def parse_overrides(cls: type[C], items: list[str]) -> dict[str, Any]:

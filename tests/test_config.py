@@ -180,11 +180,6 @@ def test_load_json_names_a_missing_file(tmp_path):
         load_json(ModelConfig, tmp_path / "missing.json")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: from_dict passes values on without `where`, so a wrong-typed value in a file "
-    "raises 'ModelConfig.d_model: expected an integer' without the file's path",
-)
 def test_load_json_names_the_file_with_a_wrong_typed_value(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"d_model": "512"}')
