@@ -78,7 +78,9 @@ class TrainConfig:
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
     clip_norm: float = 0.0  # 0 = no clipping (the paper does not clip)
-    dtype: Literal["bf16", "fp32"] = "bf16"  # autocast dtype; fp32 is exact
+    dtype: Literal["auto", "bf16", "fp32"] = (
+        "auto"  # auto: bf16 autocast on CUDA or a CPU with AMX, else fp32
+    )
     max_len: int = 256  # training pairs with more tokens than this on either side are filtered
     max_epochs: int = 0  # 0 = no limit
     max_updates: int = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import signal
@@ -23,7 +22,7 @@ from aiayn.config import ModelConfig, SearchConfig, TrainConfig, load_json, save
 from aiayn.data import collate, filter_lengths, make_batches
 from aiayn.model import Transformer
 from aiayn.tokenizer import Tokenizer
-from aiayn.translate import Translator, default_device
+from aiayn.translate import Translator, autocast, default_device
 
 # --- §5.4 Label smoothing ---------------------------------------------------------------------------
 
@@ -96,12 +95,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def validate(
