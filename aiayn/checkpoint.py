@@ -37,6 +37,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
         write(Path(tmp))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; models and translations are not secrets
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -112,6 +113,7 @@ def save_checkpoint(
     final = root / f"step_{step:08d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".tmp"))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private, like mkstemp in atomic_write
         save_model(tmp, model, tokenizer)
         atomic_write(tmp / TRAIN_CONFIG, lambda p: save_json(train_config, p))
         atomic_write(tmp / STATE, lambda p: torch.save(state, p))
@@ -168,6 +170,8 @@ def average_checkpoints(directories: list[Path]) -> dict[str, torch.Tensor]:
 
 def average(out: str | Path, last: int, dest: str | Path) -> Path:
     """Average the last N checkpoints of a training directory into a new model directory."""
+    if last < 1:  # checkpoints[-0:] would be all of them
+        raise ValueError(f"the number of checkpoints to average must be at least 1, got {last}")
     checkpoints = list_checkpoints(out)
     if len(checkpoints) < last:
         raise ValueError(f"{out}: asked to average the last {last} checkpoints, found {len(checkpoints)}")

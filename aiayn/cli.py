@@ -112,10 +112,10 @@ def load_translator(args: argparse.Namespace):
 
 
 def read_input(path: str | None) -> list[str]:
-    from aiayn.evaluate import read_lines
+    from aiayn.evaluate import read_lines, split_lines
 
     if path is None or path == "-":
-        return sys.stdin.read().splitlines()
+        return split_lines(sys.stdin.read())
     return read_lines(path)
 
 

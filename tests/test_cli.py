@@ -1,0 +1,242 @@
+"""A shrunken end-to-end run of the `aiayn` command line (train -> translate -> evaluate -> average),
+checked against the library and sacreBLEU, and its errors: exit code 2, one line, no traceback."""
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import sacrebleu
+import safetensors.torch
+import torch
+
+from aiayn import checkpoint
+from aiayn.cli import main
+from aiayn.synthetic import generate
+
+
+def write_parallel(prefix, src: list[str], tgt: list[str]) -> str:
+    for lang, lines in (("en", src), ("xx", tgt)):
+        (prefix.parent / f"{prefix.name}.{lang}").write_text("".join(line + "\n" for line in lines))
+    return str(prefix)
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    """main() in this process; (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A synthetic corpus, a model trained on it for 20 updates, and a test set."""
+    root = tmp_path_factory.mktemp("cli")
+    src, tgt = generate(266, seed=5)
+    train = write_parallel(root / "train", src[:250], tgt[:250])
+    valid = write_parallel(root / "valid", src[250:256], tgt[250:256])
+    # Test set: an empty line and a line holding U+2028, which str.splitlines() would split in two.
+    test_src = [*src[256:260], "", src[260].replace(" ", "\u2028", 1), src[261]]
+    test_ref = [*tgt[256:260], "", tgt[260], tgt[261]]
+    (root / "test.en").write_text("".join(line + "\n" for line in test_src), encoding="utf-8")
+    (root / "test.xx").write_text("".join(line + "\n" for line in test_ref), encoding="utf-8")
+    model = root / "model"
+    code, stdout, stderr = run(
+        ["train", "--train", train, "--valid", valid, "--src-lang", "en", "--tgt-lang", "xx", "--out", model]
+        + ["--preset", "tiny", "--max-updates", 20, "--vocab-size", 300, "--max-tokens", 1500]
+        + ["--set", "valid_every=10", "--set", "dtype=fp32", "--quiet"]
+    )
+    assert code == 0, stderr
+    return root, model, json.loads(stdout.splitlines()[-1]), len(test_src)
+
+
+def test_train_writes_a_model_directory(workdir):
+    _, model, result, _ = workdir
+    assert result["event"] == "stop" and result["reason"] == "max_updates" and result["step"] == 20
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "train.json", "metrics.jsonl"):
+        assert (model / name).is_file(), name
+    assert [p.name for p in checkpoint.list_checkpoints(model)] == ["step_00000010", "step_00000020"]
+    config = json.loads((model / "config.json").read_text())
+    assert config["d_model"] == 64 and config["src_vocab_size"] == 300  # the tiny preset, --vocab-size
+    assert json.loads((model / "train.json").read_text())["valid_every"] == 10  # --set reached TrainConfig
+    steps = [r["step"] for r in map(json.loads, (model / "metrics.jsonl").open()) if "valid_bleu" in r]
+    assert steps == [10, 20]
+
+
+def test_translate_one_line_per_input_line(workdir):
+    root, model, _, n_lines = workdir
+    code, _, stderr = run(
+        ["translate", model, "--input", root / "test.en", "--output", root / "hyp.xx", "--quiet"]
+    )
+    assert code == 0, stderr
+    hyps = (root / "hyp.xx").read_text().split("\n")
+    assert hyps[-1] == "" and len(hyps) - 1 == n_lines  # one line per input line, newline-terminated
+    assert hyps[4] == ""  # the empty line stays empty
+    assert f"translated {n_lines} lines" in stderr
+    # stdout (no --output) gives the same text
+    code, stdout, _ = run(["translate", model, "--input", root / "test.en", "--quiet"])
+    assert code == 0 and stdout == (root / "hyp.xx").read_text()
+
+
+def test_evaluate_prints_json_equal_to_sacrebleu_on_the_translations(workdir):
+    root, model, _, _ = workdir
+    code, _, stderr = run(
+        ["translate", model, "--input", root / "test.en", "--output", root / "hyp2.xx", "--quiet"]
+    )
+    assert code == 0, stderr
+    code, stdout, stderr = run(
+        [
+            "evaluate",
+            model,
+            "--src",
+            root / "test.en",
+            "--ref",
+            root / "test.xx",
+            "--output",
+            root / "eval.xx",
+        ]
+        + ["--quiet"]
+    )
+    assert code == 0, stderr
+    result = json.loads(stdout.splitlines()[-1])
+    # Split on "\n" only: an untrained model emits control characters (form feeds) that splitlines() splits on.
+    hyps = (root / "hyp2.xx").read_text().split("\n")[:-1]
+    refs = (root / "test.xx").read_text().split("\n")[:-1]
+    assert (root / "eval.xx").read_text() == (root / "hyp2.xx").read_text()
+    assert result["bleu"] == sacrebleu.corpus_bleu(hyps, [refs]).score
+    assert result["chrf"] == sacrebleu.corpus_chrf(hyps, [refs]).score
+    assert "tok:13a" in result["bleu_signature"] and "nc:6" in result["chrf_signature"]
+    assert result["sentences"] == len(refs)
+    assert stdout.startswith("BLEU = ")
+
+
+def test_average_then_translate(workdir):
+    root, model, _, n_lines = workdir
+    averaged = root / "averaged"
+    code, stdout, stderr = run(["average", model, "--last", 2, "--out", averaged])
+    assert code == 0, stderr
+    assert json.loads(stdout) == {"averaged": 2, "out": str(averaged)}
+    steps = [
+        safetensors.torch.load_file(str(p / checkpoint.WEIGHTS)) for p in checkpoint.list_checkpoints(model)
+    ]
+    got = safetensors.torch.load_file(str(averaged / checkpoint.WEIGHTS))
+    assert got.keys() == steps[0].keys()
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, (steps[0][name] + steps[1][name]) / 2, rtol=0, atol=1e-6)
+
+    code, _, stderr = run(
+        ["translate", averaged, "--input", root / "test.en", "--output", root / "avg.xx", "--quiet"]
+    )
+    assert code == 0, stderr
+    assert len((root / "avg.xx").read_text().split("\n")) - 1 == n_lines
+
+    code, _, stderr = run(["average", model, "--last", 3, "--out", root / "three"])
+    assert code == 2 and "found 2" in stderr
+
+
+def test_translate_n_best_from_stdin(workdir, monkeypatch, capsys):
+    root, model, _, _ = workdir
+    monkeypatch.setattr(sys, "stdin", io.StringIO("A dog runs.\n\nThe cats see a bird.\n"))
+    assert main(["translate", str(model), "--n-best", "2", "--beam-size", "2", "--quiet"]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.split("\n")[:-1]]
+    assert [r[0] for r in rows] == ["0", "0", "1", "2", "2"]  # an empty line has one (empty) hypothesis
+    for first, second in ((rows[0], rows[1]), (rows[3], rows[4])):
+        assert float(first[1]) >= float(second[1])
+
+
+def test_train_refuses_to_overwrite_a_model(workdir):
+    root, model, _, _ = workdir
+    code, _, stderr = run(
+        [
+            "train",
+            "--train",
+            root / "train",
+            "--src-lang",
+            "en",
+            "--tgt-lang",
+            "xx",
+            "--out",
+            model,
+            "--quiet",
+        ]
+    )
+    assert code == 2 and "use --resume" in stderr
+
+
+# --- errors: exit code 2, one line on stderr, no traceback -------------------------------------------
+
+
+def assert_one_line_error(code: int, stderr: str, *needles: str) -> None:
+    assert code == 2
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("aiayn: error: ")]
+    assert len(errors) == 1 and stderr.rstrip("\n").endswith(errors[0]), stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+
+
+@pytest.fixture(scope="module")
+def corpus_prefix(workdir):
+    return str(workdir[0] / "train")
+
+
+def train_argv(prefix: str, out, *extra) -> list:
+    return [
+        "train",
+        "--train",
+        prefix,
+        "--src-lang",
+        "en",
+        "--tgt-lang",
+        "xx",
+        "--out",
+        out,
+        "--quiet",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (["--set", "nonsense=1"], ["unknown key 'nonsense'"]),
+        (["--set", "dropout=high"], ["dropout=high", "expected float"]),
+        (["--set", "d_model"], ["expected key=value"]),
+        (["--preset", "huge", "--vocab-size", "300"], ["unknown preset 'huge'"]),
+        (["--vocab-size", "10"], ["vocab_size=10 is too small"]),
+    ],
+)
+def test_train_config_errors(corpus_prefix, tmp_path, extra, needles):
+    assert_one_line_error(*run(train_argv(corpus_prefix, tmp_path / "m", *extra))[::2], *needles)
+    assert not (tmp_path / "m").exists()
+
+
+def test_missing_files(workdir, tmp_path):
+    root, model, _, _ = workdir
+    missing = tmp_path / "nothing"
+    assert_one_line_error(*run(train_argv(str(missing), tmp_path / "m"))[::2], f"{missing}.en")
+    assert_one_line_error(*run(["translate", missing, "--input", root / "test.en"])[::2], str(missing))
+    assert_one_line_error(*run(["translate", model, "--input", missing])[::2], f"{missing}: no such file")
+    code, _, stderr = run(["evaluate", model, "--src", root / "test.en", "--ref", missing])
+    assert_one_line_error(code, stderr, f"{missing}: no such file")
+    assert_one_line_error(*run(["average", missing, "--last", 1, "--out", tmp_path / "a"])[::2], "found 0")
+
+
+def test_the_installed_command_exits_2_without_traceback(corpus_prefix, tmp_path):
+    """The real process: the console script's exit status and stderr, not just main()'s return value."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aiayn.cli",
+            *map(str, train_argv(corpus_prefix, tmp_path / "m", "--set", "nope=1")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_one_line_error(proc.returncode, proc.stderr, "unknown key 'nope'")
+    assert proc.stdout == ""

@@ -1,0 +1,381 @@
+"""Tests for aiayn.train: label smoothing by hand, the §5.3 schedule from its formula, gradient
+accumulation against one big batch, bit-identical resume, metrics and checkpoint pruning."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from aiayn import checkpoint
+from aiayn import train as train_module
+from aiayn.config import BOS_ID, PAD_ID, TrainConfig, preset
+from aiayn.data import collate, make_batches
+from aiayn.model import Transformer
+from aiayn.synthetic import generate
+from aiayn.tokenizer import Tokenizer
+from aiayn.train import Corpus, label_smoothed_loss, learning_rate, make_optimizer, train
+from aiayn.translate import Translator
+
+CPU = torch.device("cpu")
+
+# --- §5.4 label smoothing ---------------------------------------------------------------------------
+
+
+def hand_smoothed_loss(
+    logits: torch.Tensor, target: torch.Tensor, eps: float, pad: int
+) -> tuple[float, float]:
+    """sum over non-pad positions of -q . log_softmax(logits), q = (1 - eps) onehot + eps / V; and the NLL."""
+    V = logits.size(-1)
+    loss = nll = 0.0
+    for b in range(target.size(0)):
+        for t in range(target.size(1)):
+            gold = int(target[b, t])
+            if gold == pad:
+                continue
+            logp = torch.log_softmax(logits[b, t].double(), dim=-1)
+            q = torch.full((V,), eps / V, dtype=torch.float64)
+            q[gold] += 1 - eps
+            loss += float(-(q * logp).sum())
+            nll += float(-logp[gold])
+    return loss, nll
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_label_smoothed_loss_equals_hand_computation(eps):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11) * 3  # (B, T, V)
+    target = torch.tensor(
+        [[4, 7, 2, PAD_ID, PAD_ID], [5, 5, 9, 10, 2], [3, 2, PAD_ID, PAD_ID, PAD_ID]]
+    )  # (B, T), padded at the end as collate makes it
+    loss, nll = label_smoothed_loss(logits, target, eps, PAD_ID)
+    want_loss, want_nll = hand_smoothed_loss(logits, target, eps, PAD_ID)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-5)
+    assert nll.item() == pytest.approx(want_nll, rel=1e-5)
+    if eps == 0.0:
+        assert loss.item() == pytest.approx(nll.item(), rel=1e-6)
+
+
+def test_label_smoothed_loss_ignores_padded_positions():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 6, 13, requires_grad=True)
+    target = torch.tensor([[3, 8, 12, 2, PAD_ID, PAD_ID], [7, 2, PAD_ID, PAD_ID, PAD_ID, PAD_ID]])
+    pad = target == PAD_ID
+    loss, nll = label_smoothed_loss(logits, target, 0.1, PAD_ID)
+    loss.backward()
+    # No gradient reaches a padded position: it does not take part in the loss at all.
+    assert logits.grad[pad].abs().max() == 0
+    assert logits.grad[~pad].abs().max() > 0
+
+    changed = logits.detach().clone()
+    changed[pad] = torch.randn(int(pad.sum()), 13) * 100 + 50  # arbitrary, huge values
+    loss2, nll2 = label_smoothed_loss(changed, target, 0.1, PAD_ID)
+    assert torch.equal(loss2, loss.detach()) and torch.equal(nll2, nll)
+
+
+def test_label_smoothed_loss_accepts_bf16_logits_and_sums_in_fp32():
+    torch.manual_seed(2)
+    logits = torch.randn(2, 4, 9).bfloat16()
+    target = torch.tensor([[1, 4, 2, PAD_ID], [5, 6, 7, 2]])
+    loss, _ = label_smoothed_loss(logits, target, 0.1, PAD_ID)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(hand_smoothed_loss(logits.float(), target, 0.1, PAD_ID)[0], rel=1e-5)
+
+
+# --- §5.3 schedule and optimizer --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d_model,warmup", [(512, 4000), (64, 10), (1024, 8000)])
+def test_learning_rate_is_the_papers_formula(d_model, warmup):
+    for step in [1, 2, 7, warmup // 2, warmup - 1, warmup, warmup + 1, 3 * warmup, 100 * warmup]:
+        want = d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+        assert learning_rate(step, d_model, warmup) == pytest.approx(want, rel=1e-12)
+        assert learning_rate(step, d_model, warmup, scale=2.5) == pytest.approx(2.5 * want, rel=1e-12)
+
+
+def test_learning_rate_rises_linearly_peaks_at_warmup_then_decays_as_inverse_sqrt():
+    d_model, warmup = 512, 400
+    rates = [learning_rate(step, d_model, warmup) for step in range(1, 4 * warmup + 1)]
+    assert rates.index(max(rates)) + 1 == warmup
+    assert max(rates) == pytest.approx(d_model**-0.5 * warmup**-0.5, rel=1e-12)
+    assert learning_rate(10, d_model, warmup) == pytest.approx(10 * learning_rate(1, d_model, warmup))
+    assert learning_rate(4 * warmup, d_model, warmup) == pytest.approx(0.5 * max(rates))
+    assert learning_rate(0, d_model, warmup) > 0  # step 0 counts as step 1, never a zero or error
+
+
+def test_optimizer_is_adam_with_the_papers_hyperparameters():
+    model = Transformer(preset("tiny", vocab_size=20, d_model=16, d_ff=32, n_heads=2))
+    optimizer = make_optimizer(model, TrainConfig())
+    assert isinstance(optimizer, torch.optim.Adam)
+    group = optimizer.param_groups[0]
+    assert group["betas"] == (0.9, 0.98) and group["eps"] == 1e-9  # §5.3
+    assert sum(p.numel() for p in group["params"]) == model.num_parameters()
+
+
+# --- Fixtures for training runs ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data():
+    src, tgt = generate(64, seed=0)
+    tokenizer = Tokenizer.train(src, tgt, vocab_size=300)
+    corpus = Corpus(tokenizer.encode_src(src[:60]), tokenizer.encode_tgt(tgt[:60]), src[60:], tgt[60:])
+    return tokenizer, corpus
+
+
+def small_model(tokenizer: Tokenizer, dropout: float):
+    return preset(
+        "tiny",
+        src_vocab_size=tokenizer.src_vocab_size,
+        tgt_vocab_size=tokenizer.tgt_vocab_size,
+        d_model=32,
+        d_ff=64,
+        dropout=dropout,
+    )
+
+
+def read_metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    return checkpoint.load_model(directory).state_dict()
+
+
+# --- Gradient accumulation ---------------------------------------------------------------------------
+
+
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD (scale-sensitive, unlike Adam's first step) that records each update's gradients and lr."""
+
+    def __init__(self, model):
+        super().__init__(model.parameters(), lr=0.0)
+        self.model = model
+        self.grads: list[list[torch.Tensor]] = []
+        self.lrs: list[float] = []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for p in self.model.parameters()])
+        self.lrs.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+def test_accumulated_update_equals_one_big_batch(data, tmp_path, monkeypatch):
+    """k micro-batches in one update give the gradient of one batch holding all of them.
+
+    train.py has no function for a single update, so train() itself runs (with an SGD optimizer patched in
+    so the update is proportional to the gradient) and the test rebuilds each update as ONE batch made of
+    the same pairs, computes loss / tokens on a model with the same initial weights, and compares.
+    """
+    tokenizer, corpus = data
+    k, max_tokens, updates = 3, 120, 2
+    model_config = small_model(tokenizer, dropout=0.0)
+    cfg = TrainConfig(
+        accumulate=k, max_tokens=max_tokens, max_updates=updates, dtype="fp32", warmup_steps=5, lr_scale=3.0
+    )
+    recorders: list[RecordingSGD] = []
+
+    def make_recorder(model, _config):
+        recorders.append(RecordingSGD(model))
+        return recorders[-1]
+
+    monkeypatch.setattr(train_module, "make_optimizer", make_recorder)
+    train(
+        tmp_path / "run",
+        model_config,
+        cfg,
+        tokenizer,
+        Corpus(corpus.src_ids, corpus.tgt_ids, [], []),
+        device=CPU,
+        progress=False,
+    )
+    (recorder,) = recorders
+    assert len(recorder.grads) == updates  # one optimizer step per update, not per micro-batch
+    # §5.3: the schedule steps once per update
+    assert recorder.lrs == [
+        learning_rate(s, model_config.d_model, cfg.warmup_steps, cfg.lr_scale) for s in (1, 2)
+    ]
+
+    torch.manual_seed(cfg.seed)  # train() seeds, then builds the model: the same initial weights
+    reference = Transformer(model_config)
+    src_lens, tgt_lens = [len(x) for x in corpus.src_ids], [len(x) for x in corpus.tgt_ids]
+    batches = make_batches(src_lens, tgt_lens, max_tokens, seed=cfg.seed, epoch=0)
+    for update in range(updates):
+        group = batches[update * k : (update + 1) * k]
+        tokens = [sum(tgt_lens[i] for i in b) for b in group]
+        assert len(set(tokens)) > 1  # unequal micro-batches: dividing per micro-batch would be caught
+        src, tgt_in, tgt_out = collate(corpus.src_ids, corpus.tgt_ids, sum(group, []), PAD_ID, BOS_ID)
+        reference.zero_grad()
+        loss, _ = label_smoothed_loss(reference(src, tgt_in), tgt_out, cfg.label_smoothing, PAD_ID)
+        (loss / sum(tokens)).backward()
+        for p, got in zip(reference.parameters(), recorder.grads[update]):
+            torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-7)
+        with torch.no_grad():  # SGD: p -= lr * grad, with the lr train() used
+            for p in reference.parameters():
+                p -= recorder.lrs[update] * p.grad
+    for p, q in zip(reference.parameters(), recorder.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+
+
+# --- Resume, metrics, pruning ------------------------------------------------------------------------
+
+RESUME_CONFIG = dict(
+    max_tokens=200, dtype="fp32", warmup_steps=4, lr_scale=2.0, valid_every=4, keep_last=2, seed=3
+)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    """12 updates in one go (several epochs), validating and checkpointing every 4; dropout on."""
+    tokenizer, corpus = data
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = train(
+        out,
+        small_model(tokenizer, dropout=0.1),
+        TrainConfig(max_updates=12, **RESUME_CONFIG),
+        tokenizer,
+        corpus,
+        device=CPU,
+        progress=False,
+    )
+    return out, result
+
+
+def test_runs_several_epochs(data, uninterrupted):
+    out, result = uninterrupted
+    assert result["step"] == 12 and result["reason"] == "max_updates"
+    epochs = {r["epoch"] for r in read_metrics(out) if "epoch" in r}
+    assert len(epochs) >= 2  # the resume tests below cross an epoch boundary
+
+
+@pytest.mark.parametrize("stop_at", [8, 6])  # on a checkpoint (8) and between checkpoints (6)
+def test_resume_reaches_the_same_weights_bit_for_bit(data, uninterrupted, tmp_path, stop_at):
+    tokenizer, corpus = data
+    model_config = small_model(tokenizer, dropout=0.1)
+    out = tmp_path / "run"
+    first = train(
+        out,
+        model_config,
+        TrainConfig(max_updates=stop_at, **RESUME_CONFIG),
+        tokenizer,
+        corpus,
+        device=CPU,
+        progress=False,
+    )
+    assert first["step"] == stop_at
+    assert checkpoint.list_checkpoints(out)[-1].name == f"step_{stop_at:08d}"
+    second = train(
+        out,
+        model_config,
+        TrainConfig(max_updates=12, **RESUME_CONFIG),
+        tokenizer,
+        corpus,
+        resume=True,
+        device=CPU,
+        progress=False,
+    )
+    assert second["step"] == 12
+    assert any(r.get("event") == "resume" and r["step"] == stop_at for r in read_metrics(out))
+
+    expected_dir, _ = uninterrupted
+    want_last, got_last = (checkpoint.list_checkpoints(d)[-1] for d in (expected_dir, out))
+    assert got_last.name == want_last.name == "step_00000012"
+    want, got = weights(want_last), weights(got_last)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    want_state, got_state = checkpoint.load_state(want_last), checkpoint.load_state(got_last)
+    for key in ("step", "epoch", "batch", "best_bleu", "bad_validations"):
+        assert got_state["progress"][key] == want_state["progress"][key], key
+    for i, slot in want_state["optimizer"]["state"].items():  # Adam moments too
+        for name, value in slot.items():
+            assert torch.equal(got_state["optimizer"]["state"][i][name], value), (i, name)
+    assert torch.equal(got_state["rng"]["torch"], want_state["rng"]["torch"])
+
+
+def test_resume_test_fails_without_rng_restore(data, uninterrupted, tmp_path, monkeypatch):
+    """The resume test has teeth: with dropout on, skipping the RNG restore gives different weights."""
+    tokenizer, corpus = data
+    model_config = small_model(tokenizer, dropout=0.1)
+    out = tmp_path / "run"
+    train(
+        out,
+        model_config,
+        TrainConfig(max_updates=8, **RESUME_CONFIG),
+        tokenizer,
+        corpus,
+        device=CPU,
+        progress=False,
+    )
+    monkeypatch.setattr(train_module, "set_rng_state", lambda state: None)
+    train(
+        out,
+        model_config,
+        TrainConfig(max_updates=12, **RESUME_CONFIG),
+        tokenizer,
+        corpus,
+        resume=True,
+        device=CPU,
+        progress=False,
+    )
+    want = weights(checkpoint.list_checkpoints(uninterrupted[0])[-1])
+    got = weights(checkpoint.list_checkpoints(out)[-1])
+    assert any(not torch.equal(got[name], want[name]) for name in want)
+
+
+def test_resuming_a_finished_run_takes_no_extra_update(data, uninterrupted, tmp_path):
+    tokenizer, corpus = data
+    out = tmp_path / "run"
+    cfg = TrainConfig(max_updates=4, **RESUME_CONFIG)
+    model_config = small_model(tokenizer, dropout=0.1)
+    train(out, model_config, cfg, tokenizer, corpus, device=CPU, progress=False)
+    before = weights(checkpoint.list_checkpoints(out)[-1])
+    result = train(out, model_config, cfg, tokenizer, corpus, resume=True, device=CPU, progress=False)
+    assert result["step"] == 4
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000004"]
+    after = weights(checkpoint.list_checkpoints(out)[-1])
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    # The same for a time budget already spent.
+    timed = TrainConfig(max_minutes=1e-9, **RESUME_CONFIG)
+    result = train(out, model_config, timed, tokenizer, corpus, resume=True, device=CPU, progress=False)
+    assert result == {**result, "step": 4, "reason": "max_minutes"}
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000004"]
+
+
+def test_metrics_jsonl_has_loss_and_validation_records(uninterrupted):
+    out, result = uninterrupted
+    records = read_metrics(out)
+    losses = [r for r in records if "loss" in r]
+    assert [r["step"] for r in losses] == [10]  # every 10 updates
+    assert math.isfinite(losses[0]["loss"]) and 0 < losses[0]["loss"] < math.log(300) + 1
+    assert losses[0]["lr"] == pytest.approx(learning_rate(10, 32, 4, 2.0))
+    valid = [r for r in records if "valid_bleu" in r]
+    assert [r["step"] for r in valid] == [4, 8, 12]
+    for r in valid:
+        assert 0 <= r["valid_bleu"] <= 100 and math.isfinite(r["valid_loss"])
+        assert 1 < r["valid_ppl"] < 300  # exp(NLL per token), below the vocabulary size once trained a bit
+    assert result["best_bleu"] == max(r["valid_bleu"] for r in valid)
+    assert records[-1] == {"event": "stop", **{k: result[k] for k in ("reason", "step", "best_bleu")}}
+
+
+def test_keep_last_prunes_old_checkpoints_and_out_stays_loadable(data, uninterrupted):
+    out, _ = uninterrupted
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000008", "step_00000012"]
+    assert not [p for p in (out / checkpoint.CHECKPOINTS).iterdir() if p.name.startswith(".")]
+    tokenizer, corpus = data
+    translator = Translator.load(out, device="cpu")  # OUT holds the best model by validation BLEU
+    assert len(translator.translate(corpus.valid_src, beam_size=1)) == len(corpus.valid_src)
+
+
+def test_train_refuses_a_corpus_with_nothing_short_enough(data, tmp_path):
+    tokenizer, corpus = data
+    with pytest.raises(ValueError, match="max_len=3"):
+        train(
+            tmp_path,
+            small_model(tokenizer, 0.0),
+            TrainConfig(max_len=3),
+            tokenizer,
+            corpus,
+            device=CPU,
+            progress=False,
+        )

@@ -1,0 +1,130 @@
+"""Tests for aiayn.translate: one output per input in order, empty lines, batching invariance, greedy
+output against a naive full-prefix decoder written here, n-best lists, and vocabulary checks."""
+
+import pytest
+import torch
+
+from aiayn.config import BOS_ID, EOS_ID, SearchConfig, preset
+from aiayn.model import Transformer
+from aiayn.synthetic import generate
+from aiayn.tokenizer import Tokenizer
+from aiayn.translate import Translator
+
+SRC, TGT = generate(120, seed=2)
+# Long and short sentences mixed, an empty line among them (the order is not sorted by length).
+INPUTS = [SRC[0], "", " ".join(SRC[1:4]), "Dogs run.", SRC[4], " ".join(SRC[5:9]), "A cat.", "", SRC[9]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.train(SRC, TGT, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer) -> Transformer:
+    torch.manual_seed(0)
+    config = preset("tiny", vocab_size=tokenizer.src_vocab_size, d_model=32, d_ff=64, dropout=0.1)
+    return Transformer(config).eval()
+
+
+@pytest.fixture(scope="module")
+def translator(model, tokenizer) -> Translator:
+    return Translator(model, tokenizer, SearchConfig(beam_size=4))
+
+
+@pytest.fixture(scope="module")
+def beam_outputs(translator) -> list[str]:
+    return translator.translate(INPUTS)
+
+
+def naive_greedy(model: Transformer, ids: list[int], max_len: int) -> list[int]:
+    """Re-run the whole decoder on the whole prefix at every step (no cache, no batch), argmax each time."""
+    src = torch.tensor([ids])  # (1, S)
+    out = [BOS_ID]
+    with torch.no_grad():
+        while len(out) - 1 < max_len:
+            token = int(model(src, torch.tensor([out]))[0, -1].argmax())
+            if token == EOS_ID:
+                break
+            out.append(token)
+    return out[1:]
+
+
+def test_one_output_per_input_in_order_with_empty_lines_empty(translator, beam_outputs):
+    assert len(beam_outputs) == len(INPUTS)
+    for source, output in zip(INPUTS, beam_outputs):
+        assert (output == "") == (source == "")
+    assert len(set(beam_outputs)) > 3  # the model's outputs depend on the input, so order is tested
+    one_at_a_time = [translator.translate([text])[0] for text in INPUTS]
+    assert beam_outputs == one_at_a_time
+
+
+def test_greedy_equals_naive_full_prefix_decoding(model, tokenizer, translator):
+    """Beam 1 through the Translator (cached, batched, sorted) == argmax decoding written out here."""
+    texts = INPUTS[:6]
+    ids = tokenizer.encode_src(texts)
+    got = translator.translate_ids(ids, SearchConfig(beam_size=1))
+    for source_ids, hyps in zip(ids, got):
+        if len(source_ids) == 1:  # only EOS: an empty line
+            assert hyps[0].tokens == []
+        else:  # §6.1 maximum output length: input length + 50, EOS included
+            assert hyps[0].tokens == naive_greedy(model, source_ids, len(source_ids) + 50)
+    assert translator.translate(texts, beam_size=1) == tokenizer.decode_tgt([h[0].tokens for h in got])
+
+
+@pytest.mark.parametrize("batch_tokens", [1, 150, 10**6])
+def test_batch_size_does_not_change_outputs(model, tokenizer, beam_outputs, batch_tokens):
+    translator = Translator(model, tokenizer, SearchConfig(beam_size=4), batch_tokens=batch_tokens)
+    assert translator.translate(INPUTS) == beam_outputs
+
+
+def test_batches_cover_every_nonempty_input_once_longest_first_within_budget(translator):
+    lengths = [len(x) for x in translator.tokenizer.encode_src(INPUTS)]
+    translator = Translator(translator.model, translator.tokenizer, batch_tokens=300)
+    batches = list(translator.batches(lengths, beam_size=2))
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == [i for i, text in enumerate(INPUTS) if text]
+    assert [lengths[i] for i in flat] == sorted((lengths[i] for i in flat), reverse=True)
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) * 2 <= 300
+    assert len(batches) > 1
+
+
+def test_n_best_lists_are_sorted_and_start_with_the_best(translator, beam_outputs):
+    n_best = translator.translate_n_best(INPUTS, 3)
+    assert len(n_best) == len(INPUTS)
+    for source, group, best in zip(INPUTS, n_best, beam_outputs):
+        if not source:
+            assert group == [("", 0.0)]
+            continue
+        assert len(group) == 3
+        scores = [score for _, score in group]
+        assert scores == sorted(scores, reverse=True)
+        assert all(score <= 0 for score in scores)  # log-probabilities over a positive length penalty
+        assert group[0][0] == best  # beam 4 either way: the same search, the same winner
+
+
+def test_n_best_wider_than_the_beam_widens_the_beam(translator):
+    groups = translator.translate_n_best(INPUTS[:1], 6)
+    assert len(groups[0]) == 6
+
+
+def test_bf16_gives_one_line_per_input(model, tokenizer):
+    outputs = Translator(model, tokenizer, SearchConfig(beam_size=2), dtype="bf16").translate(INPUTS)
+    assert len(outputs) == len(INPUTS) and outputs[1] == "" and outputs[7] == ""
+
+
+def test_translator_refuses_a_tokenizer_of_another_vocabulary(model, tokenizer):
+    other = Tokenizer.train(SRC, TGT, vocab_size=280)
+    with pytest.raises(ValueError, match=r"tokenizer vocabulary sizes \(280, 280\) differ"):
+        Translator(model, other)
+    target_differs = preset(
+        "tiny", src_vocab_size=300, tgt_vocab_size=301, share_embeddings=False, d_model=32, d_ff=64
+    )
+    with pytest.raises(ValueError, match=r"differ from the model's \(300, 301\)"):
+        Translator(Transformer(target_differs), tokenizer)
+
+
+def test_translate_of_nothing_is_nothing(translator):
+    assert translator.translate([]) == []
+    assert translator.translate_n_best([], 2) == []
