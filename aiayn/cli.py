@@ -13,7 +13,16 @@ from typing import Any
 import yaml
 
 from aiayn import checkpoint
-from aiayn.config import ModelConfig, SearchConfig, TrainConfig, from_dict, load_json, parse_overrides, preset
+from aiayn.config import (
+    PRESETS,
+    ModelConfig,
+    SearchConfig,
+    TrainConfig,
+    from_dict,
+    load_json,
+    parse_overrides,
+    preset,
+)
 
 
 def overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -61,6 +70,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     model_overrides, train_overrides = overrides(args)
     train_config = train_config_from(args, train_overrides)
+    preset(args.preset)  # an unknown name fails now, not after reading data and training a tokenizer
     out = Path(args.out)
     src, tgt = read_pairs(args.train, args.src_lang, args.tgt_lang)
     src, tgt, report = clean_pairs(src, tgt)
@@ -119,6 +129,12 @@ def read_input(path: str | None) -> list[str]:
     return read_lines(path)
 
 
+def as_lines(texts: list[str]) -> str:
+    """One line out per text: a translation holding a line break (byte-level BPE can emit one) must
+    not shift the lines after it."""
+    return "".join(t.replace("\r", " ").replace("\n", " ") + "\n" for t in texts)
+
+
 def cmd_translate(args: argparse.Namespace) -> None:
     translator = load_translator(args)
     lines = read_input(args.input)
@@ -129,7 +145,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
     else:
         output = translator.translate(lines, progress=not args.quiet)
     seconds = time.perf_counter() - start
-    text = "".join(line + "\n" for line in output)
+    text = as_lines(output)
     if args.output:
         checkpoint.atomic_write(Path(args.output), lambda p: p.write_text(text, encoding="utf-8"))
     else:
@@ -148,7 +164,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     hypotheses = result.pop("hypotheses")
     if args.output:
         checkpoint.atomic_write(
-            Path(args.output), lambda p: p.write_text("".join(h + "\n" for h in hypotheses))
+            Path(args.output), lambda p: p.write_text(as_lines(hypotheses), encoding="utf-8")
         )
     print(result["bleu_detail"])
     print(f"chrF2 = {result['chrf']:.2f}  {result['chrf_signature']}")
@@ -186,7 +202,9 @@ def search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--length-penalty", choices=["gnmt", "average"], help="gnmt (paper) or average (fairseq/HF)"
     )
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument(
+        "--dtype", choices=["auto", "fp32", "bf16"], default="fp32", help="auto: bf16 on CUDA or AMX"
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -203,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--src-lang", required=True)
     p.add_argument("--tgt-lang", required=True)
     p.add_argument("--out", required=True, help="model directory to write")
-    p.add_argument("--preset", default="small", help="tiny, small, base or big")
+    p.add_argument("--preset", default="small", help=", ".join(PRESETS))
     p.add_argument("--max-minutes", type=float)
     p.add_argument("--max-epochs", type=int)
     p.add_argument("--max-updates", type=int)

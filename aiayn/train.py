@@ -97,6 +97,48 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def train_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[list[Tensor]],
+    lr: float,
+    cfg: TrainConfig,
+) -> tuple[float, int]:
+    """One update from k micro-batches [src (B, S), tgt_in (B, T), tgt_out (B, T)]; (summed loss, tokens).
+
+    Gradient accumulation: every micro-batch's summed loss is divided by the target tokens of the
+    whole update, so k micro-batches give exactly the gradient of one k-times-larger batch.
+    When the loss is not finite no step is taken and the gradients are dropped.
+    """
+    pad = model.config.pad_id
+    n_tokens = sum(int((tgt_out != pad).sum()) for _, _, tgt_out in micro_batches)
+    loss_total = torch.zeros(())
+    for src, tgt_in, tgt_out in micro_batches:
+        with autocast(src.device, cfg.dtype):
+            logits = model(src, tgt_in)  # (B, T, V)
+        loss, _ = label_smoothed_loss(logits, tgt_out, cfg.label_smoothing, pad)
+        (loss / n_tokens).backward()
+        loss_total += loss.detach().cpu()
+    if torch.isfinite(loss_total):
+        if cfg.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_total.item(), n_tokens
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    """CUDA raises OutOfMemoryError; the CPU allocator raises a RuntimeError that says so."""
+    text = str(error)
+    return (
+        isinstance(error, torch.OutOfMemoryError)
+        or "can't allocate memory" in text
+        or "out of memory" in text
+    )
+
+
 def validate(
     model: Transformer,
     tokenizer: Tokenizer,
@@ -106,6 +148,7 @@ def validate(
 ) -> dict[str, Any]:
     """Validation loss, perplexity and BLEU (sacreBLEU, detokenized, 13a)."""
     model.eval()
+    pad = model.config.pad_id
     src_ids, tgt_ids = tokenizer.encode_src(corpus.valid_src), tokenizer.encode_tgt(corpus.valid_tgt)
     keep, _ = filter_lengths(src_ids, tgt_ids, config.max_len)
     loss_sum = nll_sum = tokens = 0.0
@@ -113,11 +156,12 @@ def validate(
     with torch.no_grad(), autocast(device, config.dtype):
         for batch in make_batches(*lens, config.max_tokens, seed=0, epoch=0):
             src, tgt_in, tgt_out = (
-                t.to(device) for t in collate(src_ids, tgt_ids, [keep[i] for i in batch], 0, 1)
+                t.to(device)
+                for t in collate(src_ids, tgt_ids, [keep[i] for i in batch], pad, model.config.bos_id)
             )
-            loss, nll = label_smoothed_loss(model(src, tgt_in), tgt_out, config.label_smoothing, 0)
+            loss, nll = label_smoothed_loss(model(src, tgt_in), tgt_out, config.label_smoothing, pad)
             loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
-            tokens += (tgt_out != model.config.pad_id).sum().item()
+            tokens += (tgt_out != pad).sum().item()
     translator = Translator(model, tokenizer, SearchConfig(beam_size=config.valid_beam_size), config.dtype)
     hyps = translator.translate(corpus.valid_src)
     bleu = sacrebleu.corpus_bleu(hyps, [corpus.valid_tgt])
@@ -210,18 +254,18 @@ def train(
                     ]
                     for b in group
                 ]
-                # Gradient accumulation: every micro-batch's summed loss is divided by the tokens
-                # of the whole update, so k micro-batches give exactly the gradient of one batch.
-                n_tokens = sum(int((tgt_out != model_config.pad_id).sum()) for _, _, tgt_out in tensors)
-                loss_total = 0.0
-                for src, tgt_in, tgt_out in tensors:
-                    with autocast(device, cfg.dtype):
-                        logits = model(src, tgt_in)  # (B, T, V)
-                    loss, _ = label_smoothed_loss(logits, tgt_out, cfg.label_smoothing, model_config.pad_id)
-                    (loss / n_tokens).backward()
-                    loss_total += loss.item()
+                lr = learning_rate(state.step + 1, model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
+                try:
+                    loss_total, n_tokens = train_step(model, optimizer, tensors, lr, cfg)
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if not is_out_of_memory(e):
+                        raise
+                    raise ValueError(
+                        f"update {state.step + 1}: out of memory on a batch of up to {cfg.max_tokens} tokens; "
+                        f"lower --max-tokens (e.g. {cfg.max_tokens // 2}) and keep the batch size with "
+                        f"--set accumulate={2 * cfg.accumulate}"
+                    ) from None
                 if not math.isfinite(loss_total):
-                    optimizer.zero_grad(set_to_none=True)
                     if cfg.skip_nonfinite:
                         log(out, {"event": "skip_nonfinite", "update": state.step + 1}, progress)
                         continue
@@ -230,14 +274,7 @@ def train(
                         f"checkpoint is kept in {out / checkpoint.CHECKPOINTS}. Lower lr_scale, or use "
                         "--set skip_nonfinite=true to skip such batches"
                     )
-                if cfg.clip_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
                 state.step += 1  # the schedule steps once per update, never per micro-batch
-                lr = learning_rate(state.step, model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
-                for g in optimizer.param_groups:
-                    g["lr"] = lr
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
 
                 tokens_seen += n_tokens
                 minutes = state.minutes + (time.monotonic() - start) / 60
@@ -314,7 +351,8 @@ def end_validation(
         ]
         for source, target, predicted in examples:
             lines += [f"  SOURCE    {source}", f"  TARGET    {target}", f"  PREDICTED {predicted}"]
-        bar.write("\n".join(lines))
+        if not bar.disable:
+            bar.write("\n".join(lines))
     improved = not metrics or metrics["valid_bleu"] > state.best_bleu
     if improved:
         state.best_bleu = metrics.get("valid_bleu", state.best_bleu)
