@@ -1,0 +1,273 @@
+"""Training speed, side by side in one run: aiayn vs torch.nn.Transformer vs Hugging Face Marian.
+
+The standard workload of the speed issue: `base` and `small` shapes, synthetic pairs (seed 1234,
+source and target lengths uniform{8..24} with EOS), batches of at most 4,096 padded target tokens
+filled in order (identical for every system), label smoothing 0.1, Adam. Reports non-padding
+target tokens per second for forward + backward + optimizer step (median of alternating rounds),
+peak RSS (one child process per cell), and model FLOPs utilisation against the measured GEMM peak.
+aiayn with its own length bucketing is reported on its own line, labelled as such.
+
+    python benchmarks/bench_train.py [--configs small,base] [--dtypes fp32,bf16] [--reps 5]
+The last line printed is JSON with every figure and ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    CONFIGS,
+    PAD,
+    TorchTransformer,
+    alternate,
+    gemm_peak,
+    have,
+    machine,
+    marian_model,
+    median,
+    peak_rss_mb,
+    random_sentences,
+    set_threads,
+    steal_ticks,
+)
+
+from aiayn.config import ModelConfig, TrainConfig  # noqa: E402
+from aiayn.data import collate, make_batches  # noqa: E402
+from aiayn.model import Transformer  # noqa: E402
+from aiayn.train import make_optimizer, train_step  # noqa: E402
+
+MAX_TOKENS = 4096
+
+
+def workload(vocab: int, n_pairs: int) -> tuple[list[list[int]], list[list[int]]]:
+    src = random_sentences(n_pairs, vocab, seed=1234)
+    tgt = random_sentences(n_pairs, vocab, seed=1235)
+    return src, tgt
+
+
+def fixed_batches(src: list[list[int]], tgt: list[list[int]]) -> list[list[int]]:
+    """Pairs in order, each batch as full as 4,096 padded target tokens allow (no bucketing)."""
+    batches, batch, width = [], [], 0
+    for i in range(len(src)):
+        w = max(width, len(tgt[i]))
+        if batch and (len(batch) + 1) * w > MAX_TOKENS:
+            batches.append(batch)
+            batch, w = [], len(tgt[i])
+        batch.append(i)
+        width = w
+    return batches + [batch] if batch else batches
+
+
+def tensors(src, tgt, batches):
+    return [collate(src, tgt, b, PAD, 1) for b in batches]
+
+
+def aiayn_model(shape: dict) -> Transformer:
+    return Transformer(
+        ModelConfig(
+            src_vocab_size=shape["vocab"],
+            tgt_vocab_size=shape["vocab"],
+            d_model=shape["d_model"],
+            d_ff=shape["d_ff"],
+            n_heads=shape["n_heads"],
+            n_encoder_layers=shape["n_layers"],
+            n_decoder_layers=shape["n_layers"],
+            dropout=0.1,
+        )
+    )
+
+
+def stepper(system: str, shape: dict, dtype: str):
+    """A function doing one training update on (src, tgt_in, tgt_out) for `system`."""
+    torch.manual_seed(0)
+    if system == "aiayn":
+        model = aiayn_model(shape).train()
+        cfg = TrainConfig(dtype=dtype)
+        opt = make_optimizer(model, cfg)
+        return lambda batch: train_step(model, opt, [list(batch)], 1e-4, cfg)
+    model = TorchTransformer(**shape) if system == "torch.nn" else marian_model(shape)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+    def step(batch):
+        src, tgt_in, tgt_out = batch
+        with autocast:
+            if system == "torch.nn":
+                logits = model(src, tgt_in)
+            else:
+                logits = model(
+                    input_ids=src,
+                    attention_mask=src != PAD,
+                    decoder_input_ids=tgt_in,
+                    decoder_attention_mask=tgt_in != PAD,
+                ).logits
+        n = int((tgt_out != PAD).sum())
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1),
+            tgt_out.flatten(),
+            ignore_index=PAD,
+            label_smoothing=0.1,
+            reduction="sum",
+        )
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item(), n
+
+    return step
+
+
+def train_flops(shape: dict, src: torch.Tensor, tgt: torch.Tensor) -> float:
+    """Model FLOPs of forward + backward (3x forward) on the padded batch: matmuls and attention."""
+    B, S = src.shape
+    T = tgt.size(1)
+    D, Fd, L, V = shape["d_model"], shape["d_ff"], shape["n_layers"], shape["vocab"]
+    enc = 2 * B * S * (4 * D * D + 2 * D * Fd) + 4 * B * S * S * D
+    dec = 2 * B * T * (4 * D * D + 2 * D * Fd) + 4 * B * T * T * D  # self-attention + feed-forward
+    dec += 2 * B * T * 2 * D * D + 2 * B * S * 2 * D * D + 4 * B * T * S * D  # encoder-decoder attention
+    return 3 * (L * (enc + dec) + 2 * B * T * D * V)
+
+
+def measure(step, batches) -> float:
+    """Non-padding target tokens per second over the given batches."""
+    start, tokens = time.perf_counter(), 0
+    for batch in batches:
+        tokens += step(batch)[1]
+    return tokens / (time.perf_counter() - start)
+
+
+def child_rss(system: str, config: str, dtype: str, bucket: bool) -> float:
+    """Peak RSS (MB) of a fresh process doing 3 updates: memory is measured one system at a time."""
+    cmd = [sys.executable, __file__, "--child", system, config, dtype] + (["--bucket"] if bucket else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run_child(system: str, config: str, dtype: str, bucket: bool) -> None:
+    set_threads()
+    shape = CONFIGS[config]
+    src, tgt = workload(shape["vocab"], 2000)
+    batches = (
+        make_batches([len(s) for s in src], [len(t) + 1 for t in tgt], MAX_TOKENS, seed=0, epoch=0)
+        if bucket
+        else fixed_batches(src, tgt)
+    )
+    step = stepper(system, shape, dtype)
+    for batch in tensors(src, tgt, batches[:3]):
+        step(batch)
+    print(peak_rss_mb())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="small,base")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--batches", type=int, default=3, help="batches per timed round")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS child processes")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--bucket", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return run_child(*args.child, args.bucket)
+
+    set_threads()
+    systems = ["aiayn", "torch.nn"] + (["marian"] if have("transformers") else [])
+    notes = [] if have("transformers") else ["transformers not installed: Hugging Face Marian skipped"]
+    peaks = {"fp32": gemm_peak(torch.float32), "bf16": gemm_peak(torch.bfloat16)}
+    print(f"machine: {machine()}")
+    print(f"GEMM peak (torch.matmul): fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
+    results, steal0 = [], steal_ticks()
+    for config in args.configs.split(","):
+        shape = CONFIGS[config]
+        src, tgt = workload(shape["vocab"], 4000)
+        fixed = tensors(src, tgt, fixed_batches(src, tgt))
+        bucketed_idx = make_batches(
+            [len(s) for s in src], [len(t) + 1 for t in tgt], MAX_TOKENS, seed=0, epoch=0
+        )
+        bucketed = tensors(src, tgt, bucketed_idx)
+        n = args.batches
+        flops = sum(train_flops(shape, s, t) for s, t, _ in fixed[:n])
+        for dtype in args.dtypes.split(","):
+            steps = {name: stepper(name, shape, dtype) for name in systems}
+            fixed_n, bucketed_n = fixed[:n], bucketed[:n]
+            timed = {name: (lambda s=steps[name], b=fixed_n: measure(s, b)) for name in systems}
+            timed["aiayn (bucketing)"] = lambda s=steps["aiayn"], b=bucketed_n: measure(s, b)
+            s0 = steal_ticks()
+            rates = alternate(timed, args.reps)
+            steal = (steal_ticks() - s0) / 100
+            tokens = sum(int((t != PAD).sum()) for _, _, t in fixed[:n])
+            for name, values in rates.items():
+                rate = median(values)
+                row = {
+                    "config": config,
+                    "dtype": dtype,
+                    "system": name,
+                    "tokens_per_s": rate,
+                    "steal_s": steal,
+                }
+                if name != "aiayn (bucketing)":
+                    row["mfu"] = flops / (tokens / rate) / 1e9 / peaks[dtype]
+                if not args.no_memory:
+                    base = name.split(" ")[0]
+                    row["peak_rss_mb"] = child_rss(base, config, dtype, bucket=name != base)
+                results.append(row)
+    print_table(results)
+    summary = ratios(results)
+    for line in summary["lines"]:
+        print(line)
+    print(
+        json.dumps(
+            {
+                "benchmark": "train",
+                "machine": machine(),
+                "gemm_peak_gflops": peaks,
+                "results": results,
+                "ratios": summary["ratios"],
+                "steal_s_total": (steal_ticks() - steal0) / 100,
+                "notes": notes,
+            }
+        )
+    )
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'config':6} {'dtype':5} {'system':18} {'tok/s':>8} {'MFU':>6} {'peak RSS MB':>12}")
+    for r in results:
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+        rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else "-"
+        print(f"{r['config']:6} {r['dtype']:5} {r['system']:18} {r['tokens_per_s']:8.0f} {mfu:>6} {rss:>12}")
+
+
+def ratios(results: list[dict]) -> dict:
+    """aiayn / best peer, per config and dtype, on identical batches."""
+    out, lines = {}, []
+    keys = sorted({(r["config"], r["dtype"]) for r in results})
+    for config, dtype in keys:
+        cell = {r["system"]: r for r in results if r["config"] == config and r["dtype"] == dtype}
+        peers = {k: v for k, v in cell.items() if not k.startswith("aiayn")}
+        if not peers:
+            continue
+        best = max(peers, key=lambda k: peers[k]["tokens_per_s"])
+        speed = cell["aiayn"]["tokens_per_s"] / peers[best]["tokens_per_s"]
+        entry = {"speed_vs_best_peer": speed, "best_peer": best}
+        if "peak_rss_mb" in cell["aiayn"]:
+            low = min(peers, key=lambda k: peers[k]["peak_rss_mb"])
+            entry["memory_vs_lowest_peer"] = cell["aiayn"]["peak_rss_mb"] / peers[low]["peak_rss_mb"]
+        out[f"{config}/{dtype}"] = entry
+        lines.append(f"{config} {dtype}: aiayn {speed:.2f}x the best peer ({best})")
+    return {"ratios": out, "lines": lines}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""What both benchmarks share: the standard workload's shapes and data, the peer models, timing and the GEMM peak."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+PAD, BOS, EOS = 0, 1, 2
+
+# The speed issue's standard workload: exactly these shapes, so figures compare across runs.
+CONFIGS = {
+    "base": dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6, vocab=10000),
+    "small": dict(d_model=256, n_heads=4, d_ff=1024, n_layers=3, vocab=8000),
+}
+
+
+def set_threads(n: int = 2) -> None:
+    torch.set_num_threads(n)
+    torch.set_num_interop_threads(1)
+
+
+def random_sentences(n: int, vocab: int, seed: int, lo: int = 8, hi: int = 24) -> list[list[int]]:
+    """n token-id lists with lengths uniform{lo..hi}, EOS included as the last token."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi) - 1)] + [EOS] for _ in range(n)]
+
+
+def pad(rows: list[list[int]], width: int | None = None) -> Tensor:
+    width = width or max(len(r) for r in rows)
+    out = torch.full((len(rows), width), PAD, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r)
+    return out
+
+
+def steal_ticks() -> int:
+    """Cumulative steal time of the VM (/proc/stat, 8th field): the host taking our CPU."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8])
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def gemm_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 4096), reps: int = 3) -> float:
+    """Best measured torch.matmul throughput (GFLOP/s) on square matrices: the hardware limit we compare to."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def alternate(systems: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """Run each system's measurement once per round, A B C A B C ..., after one warm-up round.
+
+    Each callable returns a rate; alternating spreads the machine's noise over all systems alike.
+    """
+    for fn in systems.values():
+        fn()
+    rates: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(reps):
+        for name, fn in systems.items():
+            rates[name].append(fn())
+    return rates
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# --- Peer 1: the plain torch.nn.Transformer model of the tutorials ----------------------------------
+
+
+class TorchTransformer(nn.Module):
+    """The usual tutorial model: nn.Embedding * sqrt(d) + sinusoids, nn.Transformer, a tied Linear."""
+
+    def __init__(
+        self, d_model: int, n_heads: int, d_ff: int, n_layers: int, vocab: int, dropout: float = 0.1
+    ):
+        super().__init__()
+        self.d_model = d_model
+        self.embed = nn.Embedding(vocab, d_model, padding_idx=PAD)
+        pe = torch.zeros(1024, d_model)
+        pos = torch.arange(1024).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
+        pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
+        self.register_buffer("pe", pe)
+        self.dropout = nn.Dropout(dropout)
+        self.transformer = nn.Transformer(
+            d_model, n_heads, n_layers, n_layers, d_ff, dropout, batch_first=True, activation="relu"
+        )
+        self.generator = nn.Linear(d_model, vocab, bias=False)
+        self.generator.weight = self.embed.weight
+
+    def emb(self, x: Tensor) -> Tensor:
+        return self.dropout(self.embed(x) * math.sqrt(self.d_model) + self.pe[: x.size(1)])
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.size(1))
+        h = self.transformer(
+            self.emb(src),
+            self.emb(tgt_in),
+            tgt_mask=causal,
+            tgt_is_causal=True,
+            src_key_padding_mask=src == PAD,
+            tgt_key_padding_mask=tgt_in == PAD,
+            memory_key_padding_mask=src == PAD,
+        )
+        return self.generator(h)
+
+    @torch.no_grad()
+    def greedy_recompute(self, src: Tensor, new_tokens: int) -> Tensor:
+        """The tutorials' decoding: re-run the decoder over the whole prefix for every new token."""
+        memory = self.transformer.encoder(self.emb(src), src_key_padding_mask=src == PAD)
+        ys = torch.full((src.size(0), 1), BOS, dtype=torch.long)
+        for _ in range(new_tokens):
+            causal = nn.Transformer.generate_square_subsequent_mask(ys.size(1))
+            h = self.transformer.decoder(
+                self.emb(ys), memory, tgt_mask=causal, memory_key_padding_mask=src == PAD
+            )
+            logits = self.generator(h[:, -1])
+            logits[:, EOS] = -float("inf")  # exactly `new_tokens` tokens
+            ys = torch.cat([ys, logits.argmax(-1, keepdim=True)], dim=1)
+        return ys[:, 1:]
+
+
+# --- Peer 2: Hugging Face MarianMTModel of the same shape -----------------------------------------------
+
+
+def marian_config(d_model: int, n_heads: int, d_ff: int, n_layers: int, vocab: int, dropout: float = 0.1):
+    from transformers import MarianConfig
+
+    return MarianConfig(
+        vocab_size=vocab,
+        d_model=d_model,
+        encoder_layers=n_layers,
+        decoder_layers=n_layers,
+        encoder_attention_heads=n_heads,
+        decoder_attention_heads=n_heads,
+        encoder_ffn_dim=d_ff,
+        decoder_ffn_dim=d_ff,
+        activation_function="relu",
+        scale_embedding=True,
+        dropout=dropout,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        max_position_embeddings=1024,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+        decoder_start_token_id=BOS,
+        forced_eos_token_id=None,
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True,
+    )
+
+
+def marian_model(shape: dict, dropout: float = 0.1):
+    from transformers import MarianMTModel
+
+    return MarianMTModel(marian_config(**shape, dropout=dropout))
+
+
+def have(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} cores, {model}, torch {torch.__version__}, AMX {'yes' if torch._C._cpu._init_amx() else 'no'}"
