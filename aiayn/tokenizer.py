@@ -117,6 +117,14 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return self._tgt.get_vocab_size(with_added_tokens=True)
 
+    def src_tokens(self) -> list[str]:
+        """The source vocabulary as token strings in id order (for engines that take tokens, not ids)."""
+        return _tokens(self._src)
+
+    def tgt_tokens(self) -> list[str]:
+        """The target vocabulary as token strings in id order."""
+        return _tokens(self._tgt)
+
     def encode_src(self, texts: list[str]) -> list[list[int]]:
         """Source ids, EOS appended, no BOS."""
         return _encode(self._src, texts)
@@ -204,6 +212,12 @@ def _decode(tok: HFTokenizer, ids: list[list[int]]) -> list[str]:
             bad = next(i for i in seq if not 0 <= i < vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary of {vocab_size}")
     return tok.decode_batch(kept, skip_special_tokens=False)
+
+
+def _tokens(tok: HFTokenizer) -> list[str]:
+    tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size(with_added_tokens=True))]
+    assert None not in tokens and len(set(tokens)) == len(tokens), "ids 0..V-1 map to V distinct tokens"
+    return tokens
 
 
 def _read(path: Path) -> HFTokenizer:
