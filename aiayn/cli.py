@@ -176,6 +176,13 @@ def cmd_average(args: argparse.Namespace) -> None:
     print(json.dumps({"averaged": args.last, "out": str(dest)}))
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from aiayn.export import export_ctranslate2  # needs the optional ctranslate2 package
+
+    dest = export_ctranslate2(args.model, args.out, quantization=args.quantization, force=args.force)
+    print(json.dumps({"format": args.format, "out": str(dest)}))
+
+
 def cmd_plot(args: argparse.Namespace) -> None:
     from aiayn.plots import plot_attention, plot_curves
 
@@ -257,6 +264,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=int, required=True)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_average)
+
+    p = sub.add_parser("export", help="write a model directory for another inference engine")
+    p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
+    p.add_argument("--format", choices=["ctranslate2"], default="ctranslate2")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--quantization", help="CTranslate2 weight type, e.g. int8 or float16 (default float32)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("plot", help="loss/BLEU curves and attention heatmaps as PNG")
     search_flags(p)
