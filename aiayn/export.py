@@ -142,7 +142,6 @@ def export_ctranslate2(
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         _SpecConverter(spec).convert(str(tmp), quantization=quantization, force=True)
-        tmp.chmod(0o755)
         tokenizer.save(tmp)
         save_json(model.config, tmp / AIAYN_CONFIG)
         if out.exists():
