@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from aiayn.checkpoint import fsync_dir, load_model
 from aiayn.config import UNK_ID, ModelConfig, SearchConfig, load_json, save_json
-from aiayn.model import MultiHeadAttention, Residual, Transformer
+from aiayn.model import CrossAttention, Residual, SelfAttention, Transformer
 from aiayn.search import Hypothesis, length_penalty
 from aiayn.tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -85,18 +85,17 @@ def _layer_norm(spec: common_spec.LayerNormSpec, norm: torch.nn.LayerNorm) -> No
     spec.gamma, spec.beta = _tensor(norm.weight), _tensor(norm.bias)
 
 
-def _self_attention(spec, attn: MultiHeadAttention, residual: Residual) -> None:
+def _self_attention(spec, attn: SelfAttention, residual: Residual) -> None:
     """linear[0]: the fused (3D, D) [W^Q; W^K; W^V], our in_proj as it is; linear[1]: W^O."""
     _linear(spec.linear[0], attn.in_proj.weight, attn.in_proj.bias)
     _linear(spec.linear[1], attn.out_proj.weight, attn.out_proj.bias)
     _layer_norm(spec.layer_norm, residual.norm)
 
 
-def _cross_attention(spec, attn: MultiHeadAttention, residual: Residual) -> None:
-    """linear[0]: queries (in_proj rows [:D]); linear[1]: fused keys and values (rows [D:]); [2]: W^O."""
-    D = attn.out_proj.in_features
-    _linear(spec.linear[0], attn.in_proj.weight[:D], attn.in_proj.bias[:D])  # (D, D)
-    _linear(spec.linear[1], attn.in_proj.weight[D:], attn.in_proj.bias[D:])  # (2D, D)
+def _cross_attention(spec, attn: CrossAttention, residual: Residual) -> None:
+    """linear[0]: queries W^Q; linear[1]: the fused (2D, D) [W^K; W^V]; linear[2]: W^O."""
+    _linear(spec.linear[0], attn.q_proj.weight, attn.q_proj.bias)  # (D, D)
+    _linear(spec.linear[1], attn.kv_proj.weight, attn.kv_proj.bias)  # (2D, D)
     _linear(spec.linear[2], attn.out_proj.weight, attn.out_proj.bias)
     _layer_norm(spec.layer_norm, residual.norm)
 
@@ -107,7 +106,7 @@ def _feed_forward(spec, ff, residual: Residual) -> None:
     _layer_norm(spec.layer_norm, residual.norm)
 
 
-class _SpecConverter(Converter):
+class SpecConverter(Converter):
     """CTranslate2's converter contract: _load() returns the spec; convert() validates and writes it."""
 
     def __init__(self, spec: transformer_spec.TransformerSpec):
@@ -141,7 +140,7 @@ def export_ctranslate2(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
-        _SpecConverter(spec).convert(str(tmp), quantization=quantization, force=True)
+        SpecConverter(spec).convert(str(tmp), quantization=quantization, force=True)
         tokenizer.save(tmp)
         save_json(model.config, tmp / AIAYN_CONFIG)
         if out.exists():

@@ -70,14 +70,13 @@ class Embedding(nn.Module):
 class MultiHeadAttention(nn.Module):
     """§3.2.2 MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W^Q_i, K W^K_i, V W^V_i).
 
-    The h projections of Q, K and V are one fused (D -> 3D) matrix; §3.2.1 scaled dot-product
-    attention softmax(Q K^T / sqrt(d_k)) V is `F.scaled_dot_product_attention`.
+    §3.2.1 scaled dot-product attention softmax(Q K^T / sqrt(d_k)) V is `F.scaled_dot_product_attention`.
+    The input projections of all heads are fused matrices; `SelfAttention` and `CrossAttention` own them.
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads = config.n_heads
-        self.in_proj = nn.Linear(config.d_model, 3 * config.d_model)  # [W^Q; W^K; W^V] for all heads
         self.out_proj = nn.Linear(config.d_model, config.d_model)  # W^O
         self.attention_dropout = config.attention_dropout
         self.recorded: list[Tensor] | None = None  # set to a list to record attention weights
@@ -85,23 +84,6 @@ class MultiHeadAttention(nn.Module):
     def split_heads(self, x: Tensor) -> Tensor:
         B, L, D = x.shape
         return x.view(B, L, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, L, D/H)
-
-    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Self-attention: queries, keys and values from the same sequence, one matmul."""
-        q, k, v = self.in_proj(x).chunk(3, dim=-1)  # 3 x (B, L, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # 3 x (B, H, L, D/H)
-
-    def project_q(self, x: Tensor) -> Tensor:
-        """Encoder-decoder attention: queries from the decoder..."""
-        D = x.size(-1)
-        return self.split_heads(F.linear(x, self.in_proj.weight[:D], self.in_proj.bias[:D]))  # (B, H, T, D/H)
-
-    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """...keys and values from the encoder output (§3.2.3), computed once per sentence."""
-        D = memory.size(-1)
-        kv = F.linear(memory, self.in_proj.weight[D:], self.in_proj.bias[D:])  # (B, S, 2D)
-        k, v = kv.chunk(2, dim=-1)  # 2 x (B, S, D)
-        return self.split_heads(k), self.split_heads(v)  # 2 x (B, H, S, D/H)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
         """q (B, H, L, D/H), k and v (B, H, M, D/H), mask broadcastable to (B, H, L, M) -> (B, L, D)."""
@@ -114,6 +96,35 @@ class MultiHeadAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
         B, H, L, Dh = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, L, H * Dh))  # (B, L, D)
+
+
+class SelfAttention(MultiHeadAttention):
+    """Queries, keys and values from the same sequence: one (D -> 3D) matmul [W^Q; W^K; W^V]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.in_proj = nn.Linear(config.d_model, 3 * config.d_model)
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.in_proj(x).chunk(3, dim=-1)  # 3 x (B, L, D)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # 3 x (B, H, L, D/H)
+
+
+class CrossAttention(MultiHeadAttention):
+    """§3.2.3 encoder-decoder attention: queries from the decoder, keys and values from the encoder output."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.q_proj = nn.Linear(config.d_model, config.d_model)  # W^Q
+        self.kv_proj = nn.Linear(config.d_model, 2 * config.d_model)  # [W^K; W^V], fused
+
+    def project_q(self, x: Tensor) -> Tensor:
+        return self.split_heads(self.q_proj(x))  # (B, H, T, D/H)
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Computed once per sentence (Transformer.new_cache)."""
+        k, v = self.kv_proj(memory).chunk(2, dim=-1)  # 2 x (B, S, D)
+        return self.split_heads(k), self.split_heads(v)  # 2 x (B, H, S, D/H)
 
 
 def naive_attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -169,7 +180,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(config)
+        self.self_attn = SelfAttention(config)
         self.feed_forward = FeedForward(config)
         self.res_attn = Residual(config)
         self.res_ff = Residual(config)
@@ -214,8 +225,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(config)
-        self.cross_attn = MultiHeadAttention(config)
+        self.self_attn = SelfAttention(config)
+        self.cross_attn = CrossAttention(config)
         self.feed_forward = FeedForward(config)
         self.res_self = Residual(config)
         self.res_cross = Residual(config)

@@ -36,7 +36,7 @@ def trained(tmp_path_factory):
     tokenizer = Tokenizer.train(SRC[:3000], TGT[:3000], vocab_size=300, kind="word", min_frequency=1)
     corpus = Corpus(tokenizer.encode_src(SRC[:3000]), tokenizer.encode_tgt(TGT[:3000]), [], [])
     config = preset("tiny", vocab_size=tokenizer.src_vocab_size)
-    train_config = TrainConfig(dtype="fp32", max_updates=150, max_tokens=1000, warmup_steps=100)
+    train_config = TrainConfig(dtype="fp32", max_updates=250, max_tokens=1000, warmup_steps=100)
     train(root / "model", config, train_config, tokenizer, corpus, device=torch.device("cpu"), progress=False)
     export_ctranslate2(root / "model", root / "ct2")
     ours = Translator.load(root / "model", device="cpu")

@@ -62,6 +62,13 @@ def layer_norm(x: Tensor, norm: nn.LayerNorm) -> Tensor:
     return (x - mean) / torch.sqrt(var + norm.eps) * norm.weight + norm.bias
 
 
+def fused_qkv(mha: MultiHeadAttention) -> tuple[Tensor, Tensor]:
+    """[W^Q; W^K; W^V] (3D, D) and its bias, from a self-attention's in_proj or a cross-attention's q/kv."""
+    if hasattr(mha, "in_proj"):
+        return mha.in_proj.weight, mha.in_proj.bias
+    return torch.cat([mha.q_proj.weight, mha.kv_proj.weight]), torch.cat([mha.q_proj.bias, mha.kv_proj.bias])
+
+
 def naive_attention(
     mha: MultiHeadAttention, x_q: Tensor, x_kv: Tensor, allowed: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -72,7 +79,7 @@ def naive_attention(
     """
     D, H = x_q.size(-1), mha.n_heads
     d_k = D // H
-    W, b = mha.in_proj.weight, mha.in_proj.bias  # (3D, D): [W^Q; W^K; W^V], head h in rows h*d_k..
+    W, b = fused_qkv(mha)  # (3D, D): [W^Q; W^K; W^V], head h in rows h*d_k..
     heads, weights = [], []
     for h in range(H):
         q_rows = slice(h * d_k, (h + 1) * d_k)
@@ -222,9 +229,9 @@ def test_embedding_scales_tokens_then_adds_positions():
 def test_attention_equals_naive_softmax():
     torch.manual_seed(2)
     model = tiny()
-    mha = model.encoder[0].self_attn
-    nn.init.normal_(mha.in_proj.bias)  # nonzero biases so their layout is checked too
-    nn.init.normal_(mha.out_proj.bias)
+    mha, cross = model.encoder[0].self_attn, model.decoder[0].cross_attn
+    for module in (mha.in_proj, mha.out_proj, cross.q_proj, cross.kv_proj, cross.out_proj):
+        nn.init.normal_(module.bias)  # nonzero biases so their layout is checked too
     B, L, M, D = 3, 5, 7, 64
     x, memory = torch.randn(B, L, D), torch.randn(B, M, D)
     keep_x = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
@@ -232,26 +239,29 @@ def test_attention_equals_naive_softmax():
 
     cases = {  # name: (module call, naive output and weights)
         "self, padded": (
+            mha,
             lambda: mha.attend(*mha.project_qkv(x), keep_x[:, None, None, :]),
             naive_attention(mha, x, x, key_padding(keep_x, L)),
         ),
         "cross, padded": (
-            lambda: mha.attend(mha.project_q(x), *mha.project_kv(memory), keep_m[:, None, None, :]),
-            naive_attention(mha, x, memory, key_padding(keep_m, L)),
+            cross,
+            lambda: cross.attend(cross.project_q(x), *cross.project_kv(memory), keep_m[:, None, None, :]),
+            naive_attention(cross, x, memory, key_padding(keep_m, L)),
         ),
         "self, causal": (
+            mha,
             lambda: mha.attend(*mha.project_qkv(x), None, causal=True),
             naive_attention(mha, x, x, future_hidden(L).expand(B, -1, -1)),
         ),
     }
-    for name, (call, (expected, expected_weights)) in cases.items():
+    for name, (module, call, (expected, expected_weights)) in cases.items():
         torch.testing.assert_close(call(), expected, atol=1e-5, rtol=0, msg=name)  # SDPA path
-        mha.recorded = []  # the attention-map path: weights written out
+        module.recorded = []  # the attention-map path: weights written out
         try:
             torch.testing.assert_close(call(), expected, atol=1e-5, rtol=0, msg=name)
-            (weights,) = mha.recorded
+            (weights,) = module.recorded
         finally:
-            mha.recorded = None
+            module.recorded = None
         torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=0, msg=name)
 
 
@@ -606,7 +616,7 @@ def test_sinusoids_extend_in_bfloat16():
 def test_xavier_uniform_linear_weights_zero_biases_zero_pad_row():
     model = tiny(share_embeddings=False, tie_output=False, src_vocab_size=20, tgt_vocab_size=30)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert len(linears) == 2 * (2 + 2) + 2 * (2 * 2 + 2) + 1  # in/out per attention, w_1/w_2, generator
+    assert len(linears) == 2 * (2 + 2) + 2 * (2 + 3 + 2) + 1  # attention projections, w_1/w_2, generator
     for m in linears:
         fan_out, fan_in = m.weight.shape
         bound = math.sqrt(6 / (fan_in + fan_out))

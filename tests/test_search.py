@@ -195,7 +195,7 @@ def test_finished_sentences_leave_the_batch() -> None:
 # --- A random tiny Transformer --------------------------------------------------------------------
 
 V = 20
-SEEDS = [0, 1, 5, 7]  # seeds whose outputs end both in EOS and at the maximum length
+SEEDS = [9, 12, 14, 15]  # seeds whose outputs end both in EOS and at the maximum length
 CONFIG = SearchConfig(beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=3)
 
 
