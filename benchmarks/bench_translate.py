@@ -1,0 +1,259 @@
+"""Translation speed, side by side in one run: aiayn vs torch.nn.Transformer vs HF Marian vs CTranslate2.
+
+The standard workload of the speed issue: `base` and `small` shapes with random weights, source
+sentences with seed 4321 and lengths uniform{8..24}; exactly 24 new tokens each (EOS suppressed so
+random weights cannot stop early); greedy and beam 4; batch 32 (throughput) and batch 1 (latency);
+fp32, bf16 and int8 where a system has them. Reports sentences per second, median of alternating
+rounds. CTranslate2 runs the aiayn model's own weights through `aiayn export` (same shape, same
+numbers); Hugging Face Marian is built from an equivalent MarianConfig.
+
+    python benchmarks/bench_translate.py [--configs small,base] [--sentences 256] [--reps 3]
+The last line printed is JSON with every figure and ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import aiayn_model  # noqa: E402
+from common import (  # noqa: E402
+    CONFIGS,
+    PAD,
+    TorchTransformer,
+    alternate,
+    have,
+    machine,
+    marian_model,
+    median,
+    pad,
+    random_sentences,
+    set_threads,
+    steal_ticks,
+)
+
+from aiayn.config import SearchConfig  # noqa: E402
+from aiayn.search import search  # noqa: E402
+from aiayn.translate import autocast  # noqa: E402
+
+NEW_TOKENS = 24
+
+
+def int8(model: nn.Module) -> nn.Module:
+    """PyTorch dynamic int8 quantisation of every Linear layer (CPU)."""
+    return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+def aiayn_translator(shape: dict, dtype: str):
+    model = aiayn_model(shape).eval()
+    if dtype == "int8":
+        model = int8(model)
+
+    def run(batch: list[list[int]], beam: int) -> None:
+        config = SearchConfig(beam_size=beam)
+        with torch.inference_mode(), autocast(torch.device("cpu"), "bf16" if dtype == "bf16" else "fp32"):
+            search(model, pad(batch), config, max_len=NEW_TOKENS, no_eos=True)
+
+    return run
+
+
+def torch_translator(shape: dict, dtype: str):
+    model = TorchTransformer(**shape).eval()
+    if dtype == "int8":
+        model = int8(model)
+    enabled = dtype == "bf16"
+
+    def run(batch: list[list[int]], beam: int) -> None:
+        if beam != 1:
+            raise NotImplementedError  # the tutorials have greedy decoding only
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            model.greedy_recompute(pad(batch), NEW_TOKENS)
+
+    return run
+
+
+def marian_translator(shape: dict, dtype: str):
+    model = marian_model(shape, dropout=0.0).eval()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    if dtype == "int8":
+        model = int8(model)
+
+    def run(batch: list[list[int]], beam: int) -> None:
+        src = pad(batch)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=src,
+                attention_mask=src != PAD,
+                num_beams=beam,
+                do_sample=False,
+                min_new_tokens=NEW_TOKENS,
+                max_new_tokens=NEW_TOKENS,
+                early_stopping=False,
+            )
+
+    return run
+
+
+class NumberedVocabulary:
+    """Token strings for random-weight models: the specials, then "4", "5", ... (ids as text)."""
+
+    def __init__(self, size: int):
+        self.tokens = ["<pad>", "<s>", "</s>", "<unk>"] + [str(i) for i in range(4, size)]
+
+    def src_tokens(self) -> list[str]:
+        return self.tokens
+
+    def tgt_tokens(self) -> list[str]:
+        return self.tokens
+
+
+def ctranslate2_translator(shape: dict, dtype: str, workdir: Path):
+    """The same random aiayn weights, exported through CTranslate2's own Transformer spec."""
+    import ctranslate2
+
+    from aiayn.export import SpecConverter, ctranslate2_spec
+
+    out = workdir / f"ct2-{shape['d_model']}"
+    vocabulary = NumberedVocabulary(shape["vocab"])
+    if not out.exists():
+        torch.manual_seed(0)
+        SpecConverter(ctranslate2_spec(aiayn_model(shape).eval(), vocabulary)).convert(str(out))
+    compute = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16"}[dtype]
+    translator = ctranslate2.Translator(
+        str(out), device="cpu", compute_type=compute, intra_threads=2, inter_threads=1
+    )
+
+    def run(batch: list[list[int]], beam: int) -> None:
+        tokens = [[vocabulary.tokens[i] for i in sentence] for sentence in batch]  # EOS included, as aiayn's
+        translator.translate_batch(
+            tokens,
+            beam_size=beam,
+            max_batch_size=len(batch),
+            min_decoding_length=NEW_TOKENS,
+            max_decoding_length=NEW_TOKENS,
+            return_scores=False,
+        )
+
+    return run
+
+
+def rate(run, sentences: list[list[int]], batch_size: int, beam: int):
+    def measure() -> float:
+        start = time.perf_counter()
+        for i in range(0, len(sentences), batch_size):
+            run(sentences[i : i + batch_size], beam)
+        return len(sentences) / (time.perf_counter() - start)
+
+    return measure
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="small,base")
+    ap.add_argument("--dtypes", default="fp32,bf16,int8")
+    ap.add_argument("--sentences", type=int, default=256, help="sentences for batch 32")
+    ap.add_argument("--latency-sentences", type=int, default=32, help="sentences for batch 1")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    set_threads()
+    print(f"machine: {machine()}")
+    notes = []
+    makers = {"aiayn": aiayn_translator, "torch.nn (recompute)": torch_translator}
+    if have("transformers"):
+        makers["marian generate"] = marian_translator
+    else:
+        notes.append("transformers not installed: Hugging Face Marian skipped")
+    workdir = Path(tempfile.mkdtemp(prefix="aiayn-bench-"))
+    if have("ctranslate2"):
+        makers["ctranslate2"] = lambda shape, dtype: ctranslate2_translator(shape, dtype, workdir)
+    else:
+        notes.append("ctranslate2 not installed: skipped")
+    results, steal0 = [], steal_ticks()
+    for config in args.configs.split(","):
+        shape = CONFIGS[config]
+        sentences = random_sentences(256, shape["vocab"], seed=4321)
+        for dtype in args.dtypes.split(","):
+            systems = {}
+            for name, make in makers.items():
+                if name == "ctranslate2" and dtype == "bf16" and not torch._C._cpu._init_amx():
+                    notes.append("ctranslate2 bf16 needs AMX on CPU: skipped")
+                    continue
+                torch.manual_seed(0)
+                systems[name] = make(shape, dtype)
+            for beam in (1, 4):
+                for batch_size, n in ((32, args.sentences), (1, args.latency_sentences)):
+                    timed = {
+                        name: rate(run, sentences[:n], batch_size, beam)
+                        for name, run in systems.items()
+                        if not (beam > 1 and name.startswith("torch.nn"))
+                    }
+                    s0 = steal_ticks()
+                    rates = alternate(timed, args.reps)
+                    steal = (steal_ticks() - s0) / 100
+                    for name, values in rates.items():
+                        results.append(
+                            {
+                                "config": config,
+                                "dtype": dtype,
+                                "search": "greedy" if beam == 1 else f"beam{beam}",
+                                "batch": batch_size,
+                                "system": name,
+                                "sentences_per_s": median(values),
+                                "steal_s": steal,
+                            }
+                        )
+                    print_rows(results[-len(rates) :])
+    summary = ratios(results)
+    for line in summary["lines"]:
+        print(line)
+    print(
+        json.dumps(
+            {
+                "benchmark": "translate",
+                "machine": machine(),
+                "results": results,
+                "ratios": summary["ratios"],
+                "steal_s_total": (steal_ticks() - steal0) / 100,
+                "notes": sorted(set(notes)),
+            }
+        )
+    )
+
+
+def print_rows(rows: list[dict]) -> None:
+    for r in rows:
+        print(
+            f"{r['config']:6} {r['dtype']:5} {r['search']:6} bs{r['batch']:<3} {r['system']:22} "
+            f"{r['sentences_per_s']:8.1f} sent/s"
+        )
+
+
+def ratios(results: list[dict]) -> dict:
+    """aiayn / each peer at the same config, precision, search and batch size."""
+    out, lines = {}, []
+    cells = sorted({(r["config"], r["dtype"], r["search"], r["batch"]) for r in results})
+    for cell in cells:
+        rows = {
+            r["system"]: r["sentences_per_s"]
+            for r in results
+            if (r["config"], r["dtype"], r["search"], r["batch"]) == cell
+        }
+        if "aiayn" not in rows:
+            continue
+        key = "{}/{}/{}/bs{}".format(*cell)
+        out[key] = {f"vs {name}": rows["aiayn"] / v for name, v in rows.items() if name != "aiayn"}
+        lines.append(key + ": " + ", ".join(f"{k} {v:.2f}x" for k, v in out[key].items()))
+    return {"ratios": out, "lines": lines}
+
+
+if __name__ == "__main__":
+    main()
