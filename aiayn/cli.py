@@ -72,11 +72,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     train_config = train_config_from(args, train_overrides)
     preset(args.preset)  # an unknown name fails now, not after reading data and training a tokenizer
     out = Path(args.out)
-    src, tgt = read_pairs(args.train, args.src_lang, args.tgt_lang)
+    src, tgt = read_pairs(args.train, args.src_lang, args.tgt_lang, errors=args.encoding_errors)
     src, tgt, report = clean_pairs(src, tgt)
     print(f"training pairs: {report}", file=sys.stderr)
     if args.valid:
-        valid_src, valid_tgt = read_pairs(args.valid, args.src_lang, args.tgt_lang)
+        valid_src, valid_tgt = read_pairs(
+            args.valid, args.src_lang, args.tgt_lang, errors=args.encoding_errors
+        )
         valid_src, valid_tgt, valid_report = clean_pairs(valid_src, valid_tgt)
         print(f"validation pairs: {valid_report}", file=sys.stderr)
     elif args.valid_fraction:
@@ -238,6 +240,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--separate-vocab", action="store_true", help="one vocabulary per language")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--config", help="YAML file of KEY: VALUE overrides")
+    p.add_argument(
+        "--encoding-errors",
+        choices=["strict", "replace"],
+        default="strict",
+        help="bytes that are not UTF-8: strict = error naming file and line, replace = U+FFFD",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--force", action="store_true", help="start over even if --out holds a model")
     p.add_argument("--quiet", action="store_true")

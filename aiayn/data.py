@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -121,8 +122,12 @@ def _find(prefix: str | Path, lang: str) -> Path:
 
 def _read_bytes(path: Path) -> bytes:
     if path.suffix == ".gz":
-        with gzip.open(path, "rb") as f:
-            return f.read()
+        # gzip reports damage as three unrelated types (OSError, EOFError, zlib.error); all mean the same.
+        try:
+            with gzip.open(path, "rb") as f:
+                return f.read()
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise ValueError(f"{path}: not a readable gzip file ({e})") from None
     return path.read_bytes()
 
 
@@ -138,7 +143,7 @@ def _split_lines(data: bytes, path: Path, errors: Errors) -> list[str]:
         line = data.count(b"\n", 0, e.start) + 1
         raise ValueError(
             f"{path}:{line}: not UTF-8, bad bytes {data[e.start : e.end]!r} "
-            "(pass errors='replace' to substitute U+FFFD)"
+            "(to substitute U+FFFD instead: `aiayn train --encoding-errors replace`, or errors='replace')"
         ) from None
     # Not str.splitlines(): it also splits on \x0b, \x1c, \x85, \u2028..., which breaks line alignment.
     lines = text.split("\n")
