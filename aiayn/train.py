@@ -188,6 +188,7 @@ def train(
 
     The model directory OUT always holds a loadable model: the best by validation BLEU so far.
     """
+    check_positions(model_config, train_config, tokenizer, corpus)  # before anything is written
     out, device = Path(out), device or default_device()
     out.mkdir(parents=True, exist_ok=True)
     cfg = train_config
@@ -325,6 +326,30 @@ def train(
     result = {"event": "stop", "reason": reason, "step": state.step, "best_bleu": state.best_bleu}
     log(out, result, progress)
     return result
+
+
+def check_positions(
+    model_config: ModelConfig, cfg: TrainConfig, tokenizer: Tokenizer, corpus: Corpus
+) -> None:
+    """Learned positions stop at max_positions (sinusoids extend, §3.5): refuse before training what would
+    fail in the middle of it. Training pairs are filtered by max_len, so max_len must fit; validation
+    sentences are translated whole, so each must fit."""
+    if model_config.positions != "learned":
+        return
+    limit = model_config.max_positions
+    if cfg.max_len > limit:
+        raise ValueError(
+            f"max_len={cfg.max_len} is more than max_positions={limit} of the learned positions; "
+            f"use --set max_len={limit} (or a larger max_positions)"
+        )
+    lengths = [len(ids) for ids in tokenizer.encode_src(corpus.valid_src)]
+    too_long = [i for i, n in enumerate(lengths) if n > limit]
+    if too_long:
+        raise ValueError(
+            f"validation line {too_long[0] + 1} has {lengths[too_long[0]]} tokens, more than "
+            f"max_positions={limit} of the learned positions ({len(too_long)} such lines); "
+            "drop them from the validation data or raise max_positions"
+        )
 
 
 def end_validation(

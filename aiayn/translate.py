@@ -14,7 +14,7 @@ from tqdm import tqdm
 from aiayn.checkpoint import load_model
 from aiayn.config import SearchConfig
 from aiayn.model import Transformer
-from aiayn.search import Hypothesis, search
+from aiayn.search import Hypothesis, max_lengths, search
 from aiayn.tokenizer import Tokenizer
 
 
@@ -99,10 +99,21 @@ class Translator:
         """Token ids (EOS-terminated) -> n-best hypotheses per sentence, in input order.
 
         An input that is only EOS (an empty line) gives one empty hypothesis without running the model.
+        Sinusoidal positions extend to any length (§3.5); learned ones stop at max_positions, so a longer
+        input is refused and outputs end there at the latest (the decoder has no position beyond it).
         """
         results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in ids]
         lengths = [len(x) for x in ids]
-        pad = self.model.config.pad_id
+        config = self.model.config
+        pad, learned = config.pad_id, config.positions == "learned"
+        too_long = [i for i, n in enumerate(lengths) if learned and n > config.max_positions]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"input line {i + 1} has {lengths[i]} tokens, more than max_positions={config.max_positions} "
+                f"of this model's learned positions ({len(too_long)} such lines); split long lines into "
+                "sentences first"
+            )
         bar = tqdm(total=len(ids), unit="sent", disable=not progress, leave=False)
         with torch.inference_mode(), autocast(self.device, self.dtype):
             for batch in self.batches(lengths, search_config.beam_size):
@@ -110,7 +121,11 @@ class Translator:
                 src = torch.full((len(batch), width), pad, dtype=torch.long)  # (B, S)
                 for row, i in enumerate(batch):
                     src[row, : lengths[i]] = torch.tensor(ids[i])
-                for i, hyps in zip(batch, search(self.model, src.to(self.device), search_config)):
+                src = src.to(self.device)
+                max_len = max_lengths(src, search_config, pad)  # (B,)
+                if learned:
+                    max_len = max_len.clamp(max=config.max_positions)
+                for i, hyps in zip(batch, search(self.model, src, search_config, max_len=max_len)):
                     results[i] = hyps
                 bar.update(len(batch))
         bar.close()
