@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,6 +25,7 @@ TGT_FILE = "tokenizer.tgt.json"
 _N_BYTES = 256  # byte-level BPE starts from one symbol per byte
 _WORD_MARK = "▁"  # Metaspace's mark for "a space came before this word"
 _DROPPED_ON_DECODE = frozenset({PAD_ID, BOS_ID, EOS_ID})  # UNK stays visible as "<unk>"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Tokenizer:
@@ -198,6 +200,14 @@ def _check_specials(tok: HFTokenizer, where: str) -> None:
 def _encode(tok: HFTokenizer, texts: list[str]) -> list[list[int]]:
     if isinstance(texts, str):
         raise TypeError("texts must be a list of strings, got one string")
+    for number, text in enumerate(texts, start=1):
+        # A lone surrogate (from errors="surrogateescape" decoding) is not Unicode text; the library
+        # would reject it with a TypeError that does not say which text or why.
+        if not text.isascii() and (bad := _SURROGATE.search(text)):
+            raise ValueError(
+                f"text {number} holds the lone surrogate U+{ord(bad.group()):04X}, which is not Unicode text "
+                "(undecodable bytes read with errors='surrogateescape'?)"
+            )
     # No post-processor is configured: EOS is appended here, where it can be seen.
     return [enc.ids + [EOS_ID] for enc in tok.encode_batch(texts, add_special_tokens=False)]
 
