@@ -247,7 +247,9 @@ def parser() -> argparse.ArgumentParser:
         help="bytes that are not UTF-8: strict = error naming file and line, replace = U+FFFD",
     )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
-    p.add_argument("--force", action="store_true", help="start over even if --out holds a model")
+    p.add_argument(
+        "--force", action="store_true", help="start over: replace the model, checkpoints and metrics in --out"
+    )
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_train)
 

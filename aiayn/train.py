@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -204,7 +205,13 @@ def train(
         state = Progress(**saved["progress"])
         set_rng_state(saved["rng"])
         log(out, {"event": "resume", "checkpoint": str(last), **asdict(state)}, progress)
-    elif not (out / checkpoint.CONFIG).exists():
+    else:
+        # Starting over in a directory that held a run (`--force`): its checkpoints would be pruned
+        # together with this run's and a later --resume could pick one up, its metrics would mix with
+        # these, and its config and tokenizer would not fit this model.
+        if (out / checkpoint.CHECKPOINTS).exists():
+            shutil.rmtree(out / checkpoint.CHECKPOINTS)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
         checkpoint.save_model(out, model, tokenizer)  # OUT is loadable from the start
     checkpoint.atomic_write(out / checkpoint.TRAIN_CONFIG, lambda p: save_json(cfg, p))
 
