@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,7 @@ def train_config_from(args: argparse.Namespace, train_overrides: dict[str, Any])
     return from_dict(TrainConfig, {**{k: v for k, v in flags.items() if v is not None}, **train_overrides})
 
 
-def cmd_train(args: argparse.Namespace) -> None:
+def cmd_train(args: argparse.Namespace) -> int:
     from aiayn.data import clean_pairs, read_pairs, split_valid
     from aiayn.tokenizer import Tokenizer
     from aiayn.train import Corpus, train
@@ -110,6 +111,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         out, model_config, train_config, tokenizer, corpus, resume=resuming, progress=not args.quiet
     )
     print(json.dumps(result))
+    if result["reason"].startswith("signal "):
+        # Ctrl-C (SIGINT) or SIGTERM: train() finished the update in progress and saved a checkpoint. The
+        # exit status is the shell's 128 + signal number, so a script sees that the run did not finish.
+        name = result["reason"].removeprefix("signal ")
+        print(
+            f"aiayn: stopped by {name} after update {result['step']}; saved "
+            f"{checkpoint.list_checkpoints(out)[-1]}. Continue with the same command plus --resume",
+            file=sys.stderr,
+        )
+        return 128 + signal.Signals[name].value
+    return 0
 
 
 def search_config_from(args: argparse.Namespace) -> SearchConfig:
@@ -299,13 +311,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except ValueError as e:
         if args.debug:
             raise
         print(f"aiayn: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (reading data, translating): no traceback
+        if args.debug:
+            raise
+        print("aiayn: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT.value
 
 
 if __name__ == "__main__":
