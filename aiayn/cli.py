@@ -93,6 +93,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         model_config = load_json(ModelConfig, out / checkpoint.CONFIG)
     else:
         if (out / checkpoint.CONFIG).exists() and not args.force:
+            if args.resume:  # e.g. a run killed before its first checkpoint
+                raise ValueError(f"{out} holds no checkpoint to resume from: use --force to start over")
             raise ValueError(
                 f"{out} already holds a model: use --resume to continue it or --force to start over"
             )
