@@ -209,14 +209,27 @@ class DecoderCache:
     src_mask: Tensor | None  # (B, 1, 1, S)
     length: int = 0  # target positions already decoded
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep or repeat batch rows `index` (N,): beam reordering and dropping finished sentences."""
+    def reorder(self, index: Tensor, cross: bool = True) -> None:
+        """Keep or repeat batch rows `index` (N,): beam reordering and dropping finished sentences.
+
+        Only the filled positions [0, length) of the self-attention keys/values move, within their
+        preallocated buffers when the batch does not grow. cross=False keeps the encoder-decoder
+        keys/values as they are: right when every row of `index` comes from a row holding the same
+        sentence (beams of one sentence share them), which saves the copy on most beam steps.
+        """
+        n, grow = self.length, index.numel() > self.layers[0].self_k.size(0)
         for layer in self.layers:
-            layer.self_k = layer.self_k.index_select(0, index)  # (N, H, T_max, D/H)
-            layer.self_v = layer.self_v.index_select(0, index)
-            layer.cross_k = layer.cross_k.index_select(0, index)  # (N, H, S, D/H)
-            layer.cross_v = layer.cross_v.index_select(0, index)
-        if self.src_mask is not None:
+            if grow:  # a new batch (e.g. B sentences -> B*N beams): new buffers
+                layer.self_k = layer.self_k.index_select(0, index)  # (N, H, T_max, D/H)
+                layer.self_v = layer.self_v.index_select(0, index)
+            else:  # in place: gather the rows' filled positions, write them back at the top
+                k, v = layer.self_k[index, :, :n], layer.self_v[index, :, :n]  # (N, H, n, D/H)
+                layer.self_k, layer.self_v = layer.self_k[: index.numel()], layer.self_v[: index.numel()]
+                layer.self_k[:, :, :n], layer.self_v[:, :, :n] = k, v
+            if cross:
+                layer.cross_k = layer.cross_k.index_select(0, index)  # (N, H, S, D/H)
+                layer.cross_v = layer.cross_v.index_select(0, index)
+        if cross and self.src_mask is not None:
             self.src_mask = self.src_mask.index_select(0, index)  # (N, 1, 1, S)
 
 

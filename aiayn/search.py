@@ -263,7 +263,9 @@ def beam_search(
             state.select(keep)
             index = index.view(B, N)[keep].flatten()  # (B'*N,)
             memory = memory.index_select((keep[:, None] * N + torch.arange(N, device=device)).flatten())
-        cache.reorder(index)  # one reorder per step: beams follow their parents, done sentences leave
+        # One reorder per step: beams follow their parents (within a sentence, so the encoder-decoder
+        # keys/values stay put) and, on steps where some are done, finished sentences leave.
+        cache.reorder(index, cross=any_done)
         last = state.tokens[:, -1:]  # (B*N, 1)
 
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[:n_best] for hyps in finished]

@@ -51,7 +51,7 @@ class ScriptedCache:
     sentence: Tensor  # (B,) the scripted sentence of each row
     prefix: Tensor  # (B, T) BOS and the tokens fed so far
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, cross: bool = True) -> None:
         self.sentence, self.prefix = self.sentence[index], self.prefix[index]
 
 
