@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -233,6 +234,7 @@ def train(
         stop_signal.append(signal.Signals(signum).name)
 
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    open_tensorboard(out)
     start = time.monotonic()
     model.train()
     bar = tqdm(
@@ -323,6 +325,7 @@ def train(
         reason = str(stop)
     finally:
         bar.close()
+        close_tensorboard(out)
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
     last = checkpoint.list_checkpoints(out)
@@ -412,9 +415,31 @@ def save(
     checkpoint.prune_checkpoints(out, cfg.keep_last)
 
 
+_tensorboard: dict[Path, Any] = {}  # OUT -> SummaryWriter, open while train() runs
+
+
 def log_metrics(out: Path, record: dict[str, Any]) -> None:
+    """Append to OUT/metrics.jsonl; numbers also go to TensorBoard (OUT/tensorboard) when it is installed."""
     with open(out / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+    writer = _tensorboard.get(out)
+    if writer is not None and "step" in record:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key not in ("step", "epoch"):
+                writer.add_scalar(key, value, record["step"])
+
+
+def open_tensorboard(out: Path) -> None:
+    if importlib.util.find_spec("tensorboard") is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        _tensorboard[out] = SummaryWriter(str(out / "tensorboard"))
+
+
+def close_tensorboard(out: Path) -> None:
+    writer = _tensorboard.pop(out, None)
+    if writer is not None:
+        writer.close()
 
 
 def log(out: Path, record: dict[str, Any], progress: bool) -> None:

@@ -163,8 +163,8 @@ class RecordingSGD(torch.optim.SGD):
 def test_accumulated_update_equals_one_big_batch(data, tmp_path, monkeypatch):
     """k micro-batches in one update give the gradient of one batch holding all of them.
 
-    train.py has no function for a single update, so train() itself runs (with an SGD optimizer patched in
-    so the update is proportional to the gradient) and the test rebuilds each update as ONE batch made of
+    Through train() itself, so the loop's grouping of micro-batches is covered too (with an SGD optimizer
+    patched in so the update is proportional to the gradient); the test rebuilds each update as ONE batch made of
     the same pairs, computes loss / tokens on a model with the same initial weights, and compares.
     """
     tokenizer, corpus = data
