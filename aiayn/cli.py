@@ -226,7 +226,10 @@ def search_flags(p: argparse.ArgumentParser) -> None:
         "--length-penalty", choices=["gnmt", "average"], help="gnmt (paper) or average (fairseq/HF)"
     )
     p.add_argument(
-        "--dtype", choices=["auto", "fp32", "bf16"], default="fp32", help="auto: bf16 on CUDA or AMX"
+        "--dtype",
+        choices=["auto", "fp32", "bf16", "int8"],
+        default="fp32",
+        help="auto: bf16 on CUDA or AMX; int8: CPU",
     )
 
 

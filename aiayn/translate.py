@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from aiayn.checkpoint import load_model
@@ -22,7 +23,7 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> Literal["bf16", "fp32"]:
+def resolve_dtype(dtype: str, device: torch.device) -> Literal["bf16", "fp32", "int8"]:
     """ "auto" -> bf16 where it is fast: CUDA, or a CPU with AMX tiles; fp32 elsewhere.
 
     Without AMX (e.g. a VM that hides it), CPU bf16 matmuls run on AVX-512 and were measured
@@ -37,7 +38,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> Literal["bf16", "fp32"]:
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
     """bf16 autocast, or nothing for fp32."""
-    if resolve_dtype(dtype, device) == "fp32":
+    if resolve_dtype(dtype, device) != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -50,7 +51,7 @@ class Translator:
         model: Transformer,
         tokenizer: Tokenizer,
         search_config: SearchConfig | None = None,
-        dtype: Literal["auto", "fp32", "bf16"] = "fp32",
+        dtype: Literal["auto", "fp32", "bf16", "int8"] = "fp32",
         batch_tokens: int = 4096,
     ):
         if tokenizer.src_vocab_size != model.config.src_vocab_size or (
@@ -60,6 +61,14 @@ class Translator:
                 f"tokenizer vocabulary sizes ({tokenizer.src_vocab_size}, {tokenizer.tgt_vocab_size}) differ "
                 f"from the model's ({model.config.src_vocab_size}, {model.config.tgt_vocab_size})"
             )
+        if (
+            dtype == "int8"
+        ):  # CPU translation: every Linear with int8 weights, activations quantised per batch
+            if next(model.parameters()).device.type != "cpu":
+                raise ValueError(
+                    "dtype int8 (dynamic quantisation) is for CPU translation; use bf16 on a GPU"
+                )
+            model = torch.ao.quantization.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.search_config = search_config or SearchConfig()
@@ -71,7 +80,7 @@ class Translator:
         cls,
         directory: str | Path,
         search_config: SearchConfig | None = None,
-        dtype: Literal["auto", "fp32", "bf16"] = "fp32",
+        dtype: Literal["auto", "fp32", "bf16", "int8"] = "fp32",
         device: str | torch.device | None = None,
     ) -> Translator:
         model = load_model(directory, device or default_device())

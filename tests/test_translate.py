@@ -114,6 +114,23 @@ def test_bf16_gives_one_line_per_input(model, tokenizer):
     assert len(outputs) == len(INPUTS) and outputs[1] == "" and outputs[7] == ""
 
 
+def test_int8_quantises_every_linear_and_stays_close_to_fp32(model, tokenizer):
+    """Dynamic int8: every projection (attention, feed-forward, output) holds int8 weights, the float
+    model is left as it was, and the log-probabilities stay close to fp32's."""
+    int8 = Translator(model, tokenizer, SearchConfig(beam_size=2), dtype="int8")
+    linears = [m for m in int8.model.modules() if type(m) is torch.nn.Linear]
+    quantised = [m for m in int8.model.modules() if type(m) is torch.ao.nn.quantized.dynamic.Linear]
+    assert not linears and len(quantised) == sum(type(m) is torch.nn.Linear for m in model.modules())
+    outputs = int8.translate(INPUTS)
+    assert len(outputs) == len(INPUTS) and outputs[1] == "" and outputs[7] == ""
+    src = torch.tensor([tokenizer.encode_src([INPUTS[0]])[0]])
+    tgt_in = torch.tensor([[BOS_ID, 5, 6, 7]])
+    with torch.no_grad():
+        exact, approx = model(src, tgt_in).log_softmax(-1), int8.model(src, tgt_in).log_softmax(-1)
+    assert (exact - approx).abs().max() < 0.1
+    assert not torch.equal(exact, approx)  # it really is another computation
+
+
 def test_translator_refuses_a_tokenizer_of_another_vocabulary(model, tokenizer):
     other = Tokenizer.train(SRC, TGT, vocab_size=280)
     with pytest.raises(ValueError, match=r"tokenizer vocabulary sizes \(280, 280\) differ"):
