@@ -17,53 +17,6 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 
-# --- §3.5 Positional encoding ---------------------------------------------------------------------
-
-
-def sinusoids(n_positions: int, d_model: int) -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))."""
-    pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
-    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (D/2,)
-    angle = pos / torch.pow(10000.0, two_i / d_model)  # (P, D/2)
-    pe = torch.empty(n_positions, d_model, dtype=torch.float64)
-    pe[:, 0::2] = torch.sin(angle)  # even dimensions: sine
-    pe[:, 1::2] = torch.cos(angle)  # odd dimensions: cosine (interleaved, as in the paper's formula)
-    return pe.float()
-
-
-class Embedding(nn.Module):
-    """§3.4 token embedding scaled by sqrt(d_model), plus §3.5 positions, then dropout (§5.4)."""
-
-    def __init__(self, vocab_size: int, config: ModelConfig):
-        super().__init__()
-        self.d_model = config.d_model
-        self.tokens = nn.Embedding(vocab_size, config.d_model, padding_idx=config.pad_id)
-        self.learned = config.positions == "learned"
-        if self.learned:  # a named option (the paper found both equal, §3.5 / Table 3 row E)
-            self.positions = nn.Embedding(config.max_positions, config.d_model)
-        else:  # not a parameter and not saved: always recomputed from the formula
-            self.register_buffer("table", sinusoids(config.max_positions, config.d_model), persistent=False)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def position_table(self, end: int) -> Tensor:
-        """Positions 0..end-1, (end, D); sinusoids extend past max_positions, learned ones cannot."""
-        if self.learned:
-            if end > self.positions.num_embeddings:
-                raise ValueError(
-                    f"sequence of {end} tokens is longer than max_positions={self.positions.num_embeddings} "
-                    "of this model's learned positions"
-                )
-            return self.positions.weight[:end]
-        if end > self.table.size(0):
-            self.table = sinusoids(max(end, 2 * self.table.size(0)), self.d_model).to(self.table)
-        return self.table[:end]
-
-    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
-        x = self.tokens(ids) * math.sqrt(self.d_model)  # (B, L, D)
-        x = x + self.position_table(start + ids.size(1))[start:]  # (B, L, D)
-        return self.dropout(x)
-
-
 # --- §3.2 Attention ---------------------------------------------------------------------------------
 
 
@@ -151,6 +104,53 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w_2(F.relu(self.w_1(x)))  # (B, L, F) -> (B, L, D)
+
+
+# --- §3.4 Embeddings and §3.5 positional encoding ------------------------------------------------
+
+
+def sinusoids(n_positions: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))."""
+    pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (D/2,)
+    angle = pos / torch.pow(10000.0, two_i / d_model)  # (P, D/2)
+    pe = torch.empty(n_positions, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)  # even dimensions: sine
+    pe[:, 1::2] = torch.cos(angle)  # odd dimensions: cosine (interleaved, as in the paper's formula)
+    return pe.float()
+
+
+class Embedding(nn.Module):
+    """§3.4 token embedding scaled by sqrt(d_model), plus §3.5 positions, then dropout (§5.4)."""
+
+    def __init__(self, vocab_size: int, config: ModelConfig):
+        super().__init__()
+        self.d_model = config.d_model
+        self.tokens = nn.Embedding(vocab_size, config.d_model, padding_idx=config.pad_id)
+        self.learned = config.positions == "learned"
+        if self.learned:  # a named option (the paper found both equal, §3.5 / Table 3 row E)
+            self.positions = nn.Embedding(config.max_positions, config.d_model)
+        else:  # not a parameter and not saved: always recomputed from the formula
+            self.register_buffer("table", sinusoids(config.max_positions, config.d_model), persistent=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def position_table(self, end: int) -> Tensor:
+        """Positions 0..end-1, (end, D); sinusoids extend past max_positions, learned ones cannot."""
+        if self.learned:
+            if end > self.positions.num_embeddings:
+                raise ValueError(
+                    f"sequence of {end} tokens is longer than max_positions={self.positions.num_embeddings} "
+                    "of this model's learned positions"
+                )
+            return self.positions.weight[:end]
+        if end > self.table.size(0):
+            self.table = sinusoids(max(end, 2 * self.table.size(0)), self.d_model).to(self.table)
+        return self.table[:end]
+
+    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
+        x = self.tokens(ids) * math.sqrt(self.d_model)  # (B, L, D)
+        x = x + self.position_table(start + ids.size(1))[start:]  # (B, L, D)
+        return self.dropout(x)
 
 
 # --- §3.1 Encoder and decoder stacks ---------------------------------------------------------------
