@@ -308,7 +308,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train and show a model on the built-in synthetic task")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--minutes", type=float, default=3.0, help="training time budget")
+    p.add_argument("--minutes", type=float, default=2.5, help="training time budget")
     p.set_defaults(func=cmd_demo)
     return ap
 

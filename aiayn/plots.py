@@ -30,6 +30,7 @@ def plot_curves(metrics: str | Path, out: str | Path) -> Path:
     ax_bleu.set(xlabel="minutes of training", ylabel="sacreBLEU", title="Validation BLEU")
     ax_bleu.grid(alpha=0.3)
     fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return Path(out)

@@ -296,6 +296,7 @@ def train(
                         loss=f"{loss_total / n_tokens:.3f}",
                         lr=f"{lr:.2e}",
                         tok_s=f"{rate:.0f}",
+                        refresh=False,
                     )
                     log_metrics(
                         out,
