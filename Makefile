@@ -8,7 +8,6 @@ TORCH   := torch==2.13.0
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev,serve,bench]' $(TORCH)
 	touch $(STAMP)
@@ -22,6 +21,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_translate.py
+	$(PY) benchmarks/bench_scaling.py --plot docs/scaling.png
 
 lint: $(STAMP)
 	.venv/bin/ruff check .
