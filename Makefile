@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev,serve,bench]' $(TORCH)
+	$(PY) -m pip install -q -e '.[dev,bench]' $(TORCH)
 	touch $(STAMP)
 
 demo: $(STAMP)
