@@ -1,5 +1,28 @@
-"""Shared test settings: one thread (tiny models run faster without threading overhead on 2 cores)."""
+"""Shared test settings and helpers: one thread (tiny models run faster without threading overhead
+on 2 cores), running the CLI in-process, and checking its one-line errors."""
+
+import contextlib
+import io
 
 import torch
 
+from aiayn.cli import main
+
 torch.set_num_threads(1)
+
+
+def run_cli(argv: list) -> tuple[int, str, str]:
+    """aiayn's main() in this process; (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(code: int, stderr: str, *needles: str) -> None:
+    """Exit status 2, no traceback, exactly one `aiayn: error:` line, last, holding every needle."""
+    assert code == 2 and "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("aiayn: error: ")]
+    assert len(errors) == 1 and stderr.rstrip("\n").endswith(errors[0]), stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])

@@ -1,7 +1,6 @@
 """A shrunken end-to-end run of the `aiayn` command line (train -> translate -> evaluate -> average),
 checked against the library and sacreBLEU, and its errors: exit code 2, one line, no traceback."""
 
-import contextlib
 import io
 import json
 import subprocess
@@ -11,6 +10,7 @@ import pytest
 import sacrebleu
 import safetensors.torch
 import torch
+from conftest import assert_one_line_error, run_cli
 
 from aiayn import checkpoint
 from aiayn.cli import main
@@ -23,12 +23,7 @@ def write_parallel(prefix, src: list[str], tgt: list[str]) -> str:
     return str(prefix)
 
 
-def run(argv: list[str]) -> tuple[int, str, str]:
-    """main() in this process; (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
+run = run_cli
 
 
 @pytest.fixture(scope="module")
@@ -167,15 +162,6 @@ def test_train_refuses_to_overwrite_a_model(workdir):
 
 
 # --- errors: exit code 2, one line on stderr, no traceback -------------------------------------------
-
-
-def assert_one_line_error(code: int, stderr: str, *needles: str) -> None:
-    assert code == 2
-    assert "Traceback" not in stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("aiayn: error: ")]
-    assert len(errors) == 1 and stderr.rstrip("\n").endswith(errors[0]), stderr
-    for needle in needles:
-        assert needle in errors[0], (needle, errors[0])
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ model directories and state files (test_checkpoint.py), config and CLI errors (t
 """
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -21,10 +20,10 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from conftest import assert_one_line_error, run_cli
 
 from aiayn import checkpoint
 from aiayn import train as train_module
-from aiayn.cli import main
 from aiayn.config import SearchConfig, TrainConfig, preset
 from aiayn.model import Transformer
 from aiayn.synthetic import generate
@@ -43,19 +42,7 @@ def write_parallel(prefix: Path, src: list[str], tgt: list[str]) -> Path:
 
 
 def run(*argv) -> tuple[int, str, str]:
-    """main() in this process; (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
-
-
-def assert_one_line_error(code: int, stderr: str, *needles: str) -> None:
-    assert code == 2 and "Traceback" not in stderr, stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("aiayn: error: ")]
-    assert len(errors) == 1 and stderr.rstrip("\n").endswith(errors[0]), stderr
-    for needle in needles:
-        assert needle in errors[0], (needle, errors[0])
+    return run_cli(list(argv))
 
 
 def tiny_train(prefix, out, *extra) -> list:
