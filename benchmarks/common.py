@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -48,7 +47,13 @@ def steal_ticks() -> int:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: a child started by a big
+    parent inherits the parent's figure through fork, which would credit every system the same memory."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def gemm_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 4096), reps: int = 3) -> float:
