@@ -138,7 +138,7 @@ def load_translator(args: argparse.Namespace):
 
 
 def read_input(path: str | None) -> list[str]:
-    from aiayn.evaluate import read_lines, split_lines
+    from aiayn.data import read_lines, split_lines
 
     if path is None or path == "-":
         return split_lines(sys.stdin.read())
@@ -173,7 +173,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from aiayn.evaluate import evaluate, read_lines
+    from aiayn.data import read_lines
+    from aiayn.evaluate import evaluate
 
     translator = load_translator(args)
     result = evaluate(translator, read_lines(args.src), read_lines(args.ref), progress=not args.quiet)

@@ -145,11 +145,27 @@ def _split_lines(data: bytes, path: Path, errors: Errors) -> list[str]:
             f"{path}:{line}: not UTF-8, bad bytes {data[e.start : e.end]!r} "
             "(to substitute U+FFFD instead: `aiayn train --encoding-errors replace`, or errors='replace')"
         ) from None
-    # Not str.splitlines(): it also splits on \x0b, \x1c, \x85, \u2028..., which breaks line alignment.
+    return split_lines(text)
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines split on "\\n" only (a final newline ends the last line), each without a trailing "\\r".
+
+    Not str.splitlines(): it also splits on \\x0b, \\x1c, \\x85, \\u2028..., so there would be more
+    lines than `wc -l` counts and translations would no longer line up with their sources.
+    """
     lines = text.split("\n")
     if lines[-1] == "":
-        lines.pop()  # the final newline ends the last line; it does not start a new one
+        lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def read_lines(path: str | Path, errors: Errors = "strict") -> list[str]:
+    """Lines of one UTF-8 text file (plain or .gz); a missing or bad file is a ValueError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    return _split_lines(_read_bytes(path), path, errors)
 
 
 # Cleaning and filtering -----------------------------------------------------------------------------------

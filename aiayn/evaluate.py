@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import sacrebleu
@@ -26,30 +25,6 @@ def score(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
         "bleu_detail": str(b),
         "sentences": len(hypotheses),
     }
-
-
-def split_lines(text: str) -> list[str]:
-    """Lines split on "\\n" only (a final newline ends the last line), each without a trailing "\\r".
-
-    Not str.splitlines(): it also splits on \\x0b, \\x0c, \\x85, \\u2028..., so the output would have more
-    lines than `wc -l` counts and translations would no longer line up with their sources (data.py alike).
-    """
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
-
-
-def read_lines(path: str | Path) -> list[str]:
-    """Lines of a UTF-8 text file without their newlines; a bad file is a ValueError naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    try:
-        return split_lines(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 ({e.reason})") from None
 
 
 def evaluate(

@@ -7,7 +7,8 @@ import re
 import pytest
 import sacrebleu
 
-from aiayn.evaluate import evaluate, read_lines, score
+from aiayn.data import read_lines
+from aiayn.evaluate import evaluate, score
 
 HYPS = [
     "The cat sat on the mat.",
