@@ -30,16 +30,20 @@ from aiayn.translate import Translator, autocast, default_device
 
 
 def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> tuple[Tensor, Tensor]:
-    """Summed label-smoothed cross-entropy and summed NLL over non-pad targets.
+    """Summed label-smoothed cross-entropy and summed NLL (detached) over non-pad targets.
 
-    logits (B, T, V), target (B, T). PyTorch's `label_smoothing` spreads epsilon uniformly over
-    all V classes (q = (1 - eps) * onehot + eps / V), as in the paper's eps_ls = 0.1.
+    logits (B, T, V), target (B, T). The smoothed target spreads epsilon uniformly over all V classes,
+    q = (1 - eps) * onehot + eps / V (the paper's eps_ls = 0.1; PyTorch's `label_smoothing` likewise), so
+    -sum q log p = (1 - eps) * NLL + eps / V * sum_v -log p_v. One log-softmax serves both sums.
     """
-    flat, gold = logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1)  # (B*T, V), (B*T,)
-    loss = F.cross_entropy(flat, gold, ignore_index=pad_id, label_smoothing=epsilon, reduction="sum")
-    with torch.no_grad():
-        nll = F.cross_entropy(flat, gold, ignore_index=pad_id, reduction="sum")
-    return loss, nll
+    V = logits.size(-1)
+    lprobs = F.log_softmax(logits.reshape(-1, V).float(), dim=-1)  # (B*T, V)
+    gold = target.reshape(-1)  # (B*T,)
+    keep = gold != pad_id  # (B*T,)
+    nll = -lprobs.gather(1, gold.unsqueeze(1)).squeeze(1)  # (B*T,)
+    uniform = -lprobs.sum(dim=-1)  # (B*T,)
+    loss = ((1 - epsilon) * nll + (epsilon / V) * uniform).masked_fill(~keep, 0.0).sum()
+    return loss, nll.detach().masked_fill(~keep, 0.0).sum()
 
 
 # --- §5.3 Optimizer and schedule --------------------------------------------------------------------
