@@ -25,6 +25,8 @@ class MultiHeadAttention(nn.Module):
 
     §3.2.1 scaled dot-product attention softmax(Q K^T / sqrt(d_k)) V is `F.scaled_dot_product_attention`.
     The input projections of all heads are fused matrices; `SelfAttention` and `CrossAttention` own them.
+    Projected queries, keys and values stay (B, L, D) until `attend` splits them into heads, so the
+    decoder's cache can store them as they come out of the projection.
     """
 
     def __init__(self, config: ModelConfig):
@@ -39,7 +41,9 @@ class MultiHeadAttention(nn.Module):
         return x.view(B, L, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, L, D/H)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
-        """q (B, H, L, D/H), k and v (B, H, M, D/H), mask broadcastable to (B, H, L, M) -> (B, L, D)."""
+        """q (B, L, D), k and v (B, M, D), mask broadcastable to (B, H, L, M) -> (B, L, D)."""
+        B, L, D = q.shape
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, H, L or M, D/H)
         if self.recorded is not None:  # visualisation only: weights written out, off the fast path
             weights = naive_attention_weights(q, k, mask, causal)  # (B, H, L, M)
             self.recorded.append(weights.detach())
@@ -47,8 +51,7 @@ class MultiHeadAttention(nn.Module):
         else:
             p = self.attention_dropout if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
-        B, H, L, Dh = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(B, L, H * Dh))  # (B, L, D)
+        return self.out_proj(out.transpose(1, 2).reshape(B, L, D))  # (B, L, D)
 
 
 class SelfAttention(MultiHeadAttention):
@@ -60,7 +63,7 @@ class SelfAttention(MultiHeadAttention):
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.in_proj(x).chunk(3, dim=-1)  # 3 x (B, L, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # 3 x (B, H, L, D/H)
+        return q, k, v
 
 
 class CrossAttention(MultiHeadAttention):
@@ -72,12 +75,23 @@ class CrossAttention(MultiHeadAttention):
         self.kv_proj = nn.Linear(config.d_model, 2 * config.d_model)  # [W^K; W^V], fused
 
     def project_q(self, x: Tensor) -> Tensor:
-        return self.split_heads(self.q_proj(x))  # (B, H, T, D/H)
+        return self.q_proj(x)  # (B, T, D)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Computed once per sentence (Transformer.new_cache)."""
         k, v = self.kv_proj(memory).chunk(2, dim=-1)  # 2 x (B, S, D)
-        return self.split_heads(k), self.split_heads(v)  # 2 x (B, H, S, D/H)
+        return k, v
+
+    def attend_beams(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, beam: int) -> Tensor:
+        """Hypotheses of one sentence share its keys and values.
+
+        q (B*N, L, D) with the N = beam rows of a sentence next to each other; k and v (B, S, D), one row
+        per sentence. The N hypotheses become N*L queries of their sentence instead of repeating its keys
+        and values N times: the same numbers, N times less memory to read.
+        """
+        R, L, D = q.shape
+        out = self.attend(q.reshape(R // beam, beam * L, D), k, v, mask)  # (B, N*L, D)
+        return out.view(R, L, D)  # (B*N, L, D)
 
 
 def naive_attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -186,19 +200,24 @@ class EncoderLayer(nn.Module):
         self.res_ff = Residual(config)
 
     def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
-        q, k, v = self.self_attn.project_qkv(self.res_attn.input(x))  # 3 x (B, H, S, D/H)
+        q, k, v = self.self_attn.project_qkv(self.res_attn.input(x))  # 3 x (B, S, D)
         x = self.res_attn.output(x, self.self_attn.attend(q, k, v, src_mask))  # (B, S, D)
         return self.res_ff.output(x, self.feed_forward(self.res_ff.input(x)))  # (B, S, D)
 
 
 @dataclass
 class LayerCache:
-    """One decoder layer's keys and values, preallocated: self-attention grows, cross stays."""
+    """One decoder layer's keys and values, preallocated: self-attention grows, cross stays.
 
-    self_k: Tensor  # (B, H, T_max, D/H), positions [0, length) filled
-    self_v: Tensor  # (B, H, T_max, D/H)
-    cross_k: Tensor  # (B, H, S, D/H), from the encoder output, computed once
-    cross_v: Tensor  # (B, H, S, D/H)
+    Rows R = B*N: the N hypotheses of each of B sentences (N = 1 outside beam search).
+    """
+
+    self_k: Tensor  # (R, T_max, D), positions [0, length) filled, as the projection wrote them
+    self_v: Tensor  # (R, T_max, D)
+    spare_k: Tensor  # (>= R, T_max, D), where `reorder` gathers into before swapping with self_k
+    spare_v: Tensor
+    cross_k: Tensor  # (B, S, D), one row per sentence, from the encoder output, computed once
+    cross_v: Tensor  # (B, S, D)
 
 
 @dataclass
@@ -206,31 +225,40 @@ class DecoderCache:
     """Everything incremental decoding keeps between steps (§3.2.3 masked self-attention)."""
 
     layers: list[LayerCache]
-    src_mask: Tensor | None  # (B, 1, 1, S)
+    src_mask: Tensor | None  # (B, 1, 1, S), one row per sentence
+    beam: int = 1  # N: rows per sentence, next to each other; they share the sentence's cross keys/values
     length: int = 0  # target positions already decoded
 
-    def reorder(self, index: Tensor, cross: bool = True) -> None:
-        """Keep or repeat batch rows `index` (N,): beam reordering and dropping finished sentences.
+    def expand(self, beam: int) -> None:
+        """Give every sentence `beam` rows (copies of its one row): B rows -> B*N, for beam search."""
+        assert self.beam == 1, "expand once"
+        B = self.layers[0].self_k.size(0)
+        self.reorder(torch.arange(B, device=self.layers[0].self_k.device).repeat_interleave(beam))
+        self.beam = beam
 
-        Only the filled positions [0, length) of the self-attention keys/values move, within their
-        preallocated buffers when the batch does not grow. cross=False keeps the encoder-decoder
-        keys/values as they are: right when every row of `index` comes from a row holding the same
-        sentence (beams of one sentence share them), which saves the copy on most beam steps.
+    def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
+        """Keep or repeat rows: beams follow their parents, finished sentences leave the batch.
+
+        index (R',): the rows whose self-attention keys/values make the new rows. Only the filled
+        positions move, gathered into the spare buffer, which then swaps with the live one: one copy,
+        no allocation unless the batch grows.
+        sentences (B',): the sentences whose encoder-decoder keys/values stay, in the new order;
+        None keeps them all (beams reordering within their sentences).
         """
-        n, grow = self.length, index.numel() > self.layers[0].self_k.size(0)
+        n, R = self.length, index.numel()
         for layer in self.layers:
-            if grow:  # a new batch (e.g. B sentences -> B*N beams): new buffers
-                layer.self_k = layer.self_k.index_select(0, index)  # (N, H, T_max, D/H)
-                layer.self_v = layer.self_v.index_select(0, index)
-            else:  # in place: gather the rows' filled positions, write them back at the top
-                k, v = layer.self_k[index, :, :n], layer.self_v[index, :, :n]  # (N, H, n, D/H)
-                layer.self_k, layer.self_v = layer.self_k[: index.numel()], layer.self_v[: index.numel()]
-                layer.self_k[:, :, :n], layer.self_v[:, :, :n] = k, v
-            if cross:
-                layer.cross_k = layer.cross_k.index_select(0, index)  # (N, H, S, D/H)
-                layer.cross_v = layer.cross_v.index_select(0, index)
-        if cross and self.src_mask is not None:
-            self.src_mask = self.src_mask.index_select(0, index)  # (N, 1, 1, S)
+            for name in ("k", "v"):
+                live, spare = getattr(layer, "self_" + name), getattr(layer, "spare_" + name)
+                if spare.size(0) < R:  # the batch grows (e.g. B sentences -> B*N beams)
+                    spare = live.new_empty(R, *live.shape[1:])  # (R', T_max, D)
+                torch.index_select(live[:, :n], 0, index, out=spare[:R, :n])  # (R', n, D)
+                setattr(layer, "self_" + name, spare[:R])
+                setattr(layer, "spare_" + name, live)
+            if sentences is not None:
+                layer.cross_k = layer.cross_k.index_select(0, sentences)  # (B', S, D)
+                layer.cross_v = layer.cross_v.index_select(0, sentences)
+        if sentences is not None and self.src_mask is not None:
+            self.src_mask = self.src_mask.index_select(0, sentences)  # (B', 1, 1, S)
 
 
 class DecoderLayer(nn.Module):
@@ -246,27 +274,35 @@ class DecoderLayer(nn.Module):
         self.res_ff = Residual(config)
 
     def forward(
-        self, y: Tensor, memory: Tensor | None, src_mask: Tensor | None, cache: LayerCache | None, start: int
+        self,
+        y: Tensor,
+        memory: Tensor | None,
+        src_mask: Tensor | None,
+        cache: LayerCache | None = None,
+        start: int = 0,
+        beam: int = 1,
     ) -> Tensor:
-        q, k, v = self.self_attn.project_qkv(self.res_self.input(y))  # 3 x (B, H, L, D/H)
+        """y (B, L, D) -> (B, L, D). With a cache, `memory` is unused and B counts rows (B*N)."""
+        q, k, v = self.self_attn.project_qkv(self.res_self.input(y))  # 3 x (B, L, D)
         if cache is None:  # whole target at once: the causal mask hides later positions
             a = self.self_attn.attend(q, k, v, None, causal=True)  # (B, L, D)
         else:  # L new positions [start, end): write them into the cache and attend over [0, end)
             end = start + y.size(1)
-            cache.self_k[:, :, start:end] = k
-            cache.self_v[:, :, start:end] = v
-            k, v = cache.self_k[:, :, :end], cache.self_v[:, :, :end]  # (B, H, end, D/H)
+            cache.self_k[:, start:end] = k
+            cache.self_v[:, start:end] = v
+            k, v = cache.self_k[:, :end], cache.self_v[:, :end]  # (B, end, D)
             # position start+i sees [0, start+i]; SDPA's is_causal would align the corner wrongly here
             mask = None if y.size(1) == 1 else cache_causal_mask(start, end, y.device)  # (L, end)
             a = self.self_attn.attend(q, k, v, mask)  # (B, L, D)
         y = self.res_self.output(y, a)
 
-        q = self.cross_attn.project_q(self.res_cross.input(y))  # (B, H, L, D/H)
+        q = self.cross_attn.project_q(self.res_cross.input(y))  # (B, L, D)
         if cache is None:
-            k, v = self.cross_attn.project_kv(memory)  # 2 x (B, H, S, D/H)
-        else:
-            k, v = cache.cross_k, cache.cross_v
-        y = self.res_cross.output(y, self.cross_attn.attend(q, k, v, src_mask))  # (B, L, D)
+            k, v = self.cross_attn.project_kv(memory)  # 2 x (B, S, D)
+            a = self.cross_attn.attend(q, k, v, src_mask)  # (B, L, D)
+        else:  # keys/values of each sentence, shared by its `beam` rows
+            a = self.cross_attn.attend_beams(q, cache.cross_k, cache.cross_v, src_mask, beam)  # (B*N, L, D)
+        y = self.res_cross.output(y, a)
         return self.res_ff.output(y, self.feed_forward(self.res_ff.input(y)))  # (B, L, D)
 
 
@@ -345,26 +381,30 @@ class Transformer(nn.Module):
     def new_cache(self, memory: Memory, max_len: int) -> DecoderCache:
         """An empty cache for decoding up to max_len target positions; cross keys/values computed once."""
         B, S, D = memory.states.shape
-        H = self.config.n_heads
         layers = []
         for layer in self.decoder:
-            k, v = layer.cross_attn.project_kv(memory.states)  # 2 x (B, H, S, D/H)
-            empty = k.new_empty(B, H, max_len, D // H)  # (B, H, T_max, D/H)
-            layers.append(LayerCache(empty, torch.empty_like(empty), k, v))
+            k, v = layer.cross_attn.project_kv(memory.states)  # 2 x (B, S, D)
+            self_k, self_v, spare_k, spare_v = k.new_empty(4, B, max_len, D)  # 4 x (B, T_max, D)
+            layers.append(LayerCache(self_k, self_v, spare_k, spare_v, k, v))
         return DecoderCache(layers, memory.src_mask)
 
-    def decode(self, tgt_in: Tensor, memory: Memory, cache: DecoderCache | None = None) -> Tensor:
+    def decode(self, tgt_in: Tensor, memory: Memory | None, cache: DecoderCache | None = None) -> Tensor:
         """Logits (B, L, V) for target positions.
 
         Without a cache, tgt_in (B, T) is the whole shifted target (BOS first) and L = T.
-        With a cache, tgt_in (B, L) holds only the next L positions; the cache then holds them too.
+        With a cache, tgt_in (B*N, L) holds only the next L positions of each row of the cache, which
+        then holds them too; the encoder output is read from the cache (`new_cache` projected it), so
+        `memory` may be None.
         """
-        start = 0 if cache is None else cache.length
-        y = self.tgt_embed(tgt_in, start)  # (B, L, D)
-        src_mask = memory.src_mask if cache is None else cache.src_mask
-        for i, layer in enumerate(self.decoder):
-            y = layer(y, memory.states, src_mask, None if cache is None else cache.layers[i], start)
-        if cache is not None:
+        if cache is None:
+            y = self.tgt_embed(tgt_in)  # (B, T, D)
+            for layer in self.decoder:
+                y = layer(y, memory.states, memory.src_mask)  # (B, T, D)
+        else:
+            start = cache.length
+            y = self.tgt_embed(tgt_in, start)  # (B*N, L, D)
+            for layer, layer_cache in zip(self.decoder, cache.layers):
+                y = layer(y, None, cache.src_mask, layer_cache, start, cache.beam)  # (B*N, L, D)
             cache.length = start + tgt_in.size(1)
         return self.generator(self.decoder_norm(y))  # (B, L, V)
 

@@ -35,7 +35,7 @@ class Seq2Seq(Protocol):
 
     def new_cache(self, memory: Memory, max_len: int) -> DecoderCache: ...
 
-    def decode(self, tgt_in: Tensor, memory: Memory, cache: DecoderCache | None = None) -> Tensor: ...
+    def decode(self, tgt_in: Tensor, memory: Memory | None, cache: DecoderCache | None = None) -> Tensor: ...
 
 
 @dataclass
@@ -116,7 +116,7 @@ def _greedy(
     length = limit.clone()  # (B,) tokens produced, EOS included; set when a sentence stops
     last = src.new_full((B, 1), bos)  # (B, 1)
     for t in range(T):
-        logits = model.decode(last, memory, cache)[:, -1]  # (B, V)
+        logits = model.decode(last, None, cache)[:, -1]  # (B, V); the cache holds what it needs of memory
         lprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
         if no_eos:
             lprobs[:, eos] = -math.inf
@@ -129,8 +129,7 @@ def _greedy(
             keep = (~done).nonzero().squeeze(1)  # (B',)
             if keep.numel() == 0:
                 break
-            cache.reorder(keep)  # the finished sentences leave the batch
-            memory = memory.index_select(keep)
+            cache.reorder(keep, sentences=keep)  # the finished sentences leave the batch
             rows, token = rows[keep], token[keep]  # (B',)
         last = token[:, None]  # (B, 1)
     penalty = length_penalty(length, alpha, kind)  # (B,)
@@ -204,9 +203,7 @@ def beam_search(
     memory = model.encode(src)  # states (B, S, D)
     T = int(limit.max())
     cache = model.new_cache(memory, T)  # T decoder positions: BOS and the first T-1 outputs
-    expand = torch.arange(B, device=device).repeat_interleave(N)  # (B*N,)
-    cache.reorder(expand)  # cross-attention keys/values computed once per sentence, then repeated
-    memory = memory.index_select(expand)  # states (B*N, S, D)
+    cache.expand(N)  # N rows per sentence; they share its cross-attention keys/values
     scores = torch.full((B, N), -math.inf, device=device)  # (B, N)
     scores[:, 0] = 0.0  # first step: expand beam 0 only
     state = BeamState(
@@ -220,12 +217,12 @@ def beam_search(
     last = src.new_full((B * N, 1), bos)  # (B*N, 1)
     for t in range(T):
         B = state.rows.numel()
-        logits = model.decode(last, memory, cache)[:, -1]  # (B*N, V)
-        lprobs = torch.log_softmax(logits.float(), dim=-1)  # (B*N, V)
+        logits = model.decode(last, None, cache)[:, -1]  # (B*N, V); the cache holds what it needs of memory
+        candidates = torch.log_softmax(logits.float(), dim=-1)  # (B*N, V)
         if no_eos:
-            lprobs[:, eos] = -math.inf
-        V = lprobs.size(-1)
-        candidates = (state.scores.view(-1, 1) + lprobs).view(B, N * V)  # (B, N*V)
+            candidates[:, eos] = -math.inf
+        V = candidates.size(-1)
+        candidates = candidates.add_(state.scores.view(-1, 1)).view(B, N * V)  # (B, N*V), in place
         top, flat = candidates.topk(K, dim=1)  # (B, K), best first
         parent = flat // V + N * torch.arange(B, device=device)[:, None]  # (B, K) row in tokens/cache
         token = flat % V  # (B, K)
@@ -262,10 +259,9 @@ def beam_search(
                 break
             state.select(keep)
             index = index.view(B, N)[keep].flatten()  # (B'*N,)
-            memory = memory.index_select((keep[:, None] * N + torch.arange(N, device=device)).flatten())
         # One reorder per step: beams follow their parents (within a sentence, so the encoder-decoder
         # keys/values stay put) and, on steps where some are done, finished sentences leave.
-        cache.reorder(index, cross=any_done)
+        cache.reorder(index, sentences=keep if any_done else None)
         last = state.tokens[:, -1:]  # (B*N, 1)
 
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[:n_best] for hyps in finished]

@@ -469,10 +469,40 @@ def test_cache_reorder_equals_decoding_the_reordered_batch(index):
         memory = model.encode(src)
         cache = model.new_cache(memory, tgt.size(1))
         model.decode(tgt[:, :4], memory, cache)
-        cache.reorder(index)
-        memory = memory.index_select(index)
+        cache.reorder(index, sentences=index)
         steps = [model.decode(tgt[index, t : t + 1], memory, cache) for t in range(4, 9)]
     torch.testing.assert_close(torch.cat(steps, 1), expected[:, 4:], atol=1e-5, rtol=0)
+
+
+def test_beam_rows_share_cross_attention_and_follow_their_parents():
+    """expand(N), reordering within sentences and dropping a sentence == decoding those rows in full."""
+    model, N = tiny(), 2
+    src, tgt = padded_batch()  # 3 sentences, differently padded
+    torch.manual_seed(11)
+    tgt = torch.stack([tgt, with_bos(words(3, 9))], 1).flatten(0, 1)  # (B*N, T): rows 2b, 2b+1 of sentence b
+    src = src.repeat_interleave(N, 0)  # (B*N, S) the source of every row, for the full decoding
+
+    def full(rows: Tensor, t: int) -> Tensor:
+        """Next-token logits after tgt[rows, :t], without a cache."""
+        return model(src[rows], tgt[rows, :t])[:, -1]  # (R, V)
+
+    with torch.no_grad():
+        cache = model.new_cache(model.encode(src[::N]), tgt.size(1))  # one row per sentence
+        cache.expand(N)
+        rows = torch.arange(6)  # the target row each cache row has been fed
+        got, expected = [model.decode(tgt[rows, :3], None, cache)[:, -1]], [full(rows, 3)]
+        swap = torch.tensor([1, 1, 3, 2, 4, 5])  # sentence 0: both follow row 1; sentence 1 swaps its two
+        cache.reorder(swap)
+        rows = rows[swap]
+        got.append(model.decode(tgt[rows, 3:4], None, cache)[:, -1])
+        expected.append(full(rows, 4))
+        index, keep = torch.tensor([4, 5, 0, 1]), torch.tensor([2, 0])  # sentence 1 leaves, 0 and 2 swap
+        cache.reorder(index, sentences=keep)
+        rows = rows[index]
+        got.append(model.decode(tgt[rows, 4:5], None, cache)[:, -1])
+        expected.append(full(rows, 5))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"step {step}")
 
 
 # --- A copy task must be learned ------------------------------------------------------------------------

@@ -51,7 +51,10 @@ class ScriptedCache:
     sentence: Tensor  # (B,) the scripted sentence of each row
     prefix: Tensor  # (B, T) BOS and the tokens fed so far
 
-    def reorder(self, index: Tensor, cross: bool = True) -> None:
+    def expand(self, beam: int) -> None:
+        self.reorder(torch.arange(self.sentence.size(0)).repeat_interleave(beam))
+
+    def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
         self.sentence, self.prefix = self.sentence[index], self.prefix[index]
 
 
@@ -70,13 +73,13 @@ class ScriptedModel(nn.Module):
         sentence = memory.states[:, 0, 0].long()
         return ScriptedCache(sentence, sentence.new_empty(sentence.size(0), 0))
 
-    def decode(self, tgt_in: Tensor, memory: Memory, cache: ScriptedCache | None = None) -> Tensor:
+    def decode(self, tgt_in: Tensor, memory: Memory | None, cache: ScriptedCache | None = None) -> Tensor:
         self.rows.append(tgt_in.size(0))
-        sentence = memory.states[:, 0, 0].long()  # (B,)
         if cache is None:  # the whole prefix: log-probs after each of its positions
+            sentence = memory.states[:, 0, 0].long()  # (B,)
             prefix, first = tgt_in, 0
-        else:
-            assert torch.equal(sentence, cache.sentence), "memory and cache rows disagree"
+        else:  # like Transformer: what the rows need of the source is in the cache
+            sentence = cache.sentence  # (B,)
             cache.prefix = torch.cat([cache.prefix, tgt_in], dim=1)
             prefix, first = cache.prefix, cache.prefix.size(1) - tgt_in.size(1)
         assert bool((prefix[:, 0] == BOS).all())
