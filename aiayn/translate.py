@@ -43,6 +43,29 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """A copy with every Linear layer dynamically quantised: int8 weights, activations per batch (CPU)."""
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("dtype int8 (dynamic quantisation) is for CPU translation; use bf16 on a GPU")
+    return torch.ao.quantization.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
+
+
+def transpose_weights(model: Transformer) -> Transformer:
+    """Store every Linear weight W (out, in) as the transpose of a contiguous (in, out) matrix, in place.
+
+    The same numbers in another memory layout: x W^T then streams W^T row by row, which the CPU GEMM
+    runs 1.3-2x faster at the few rows of a decoding step (8-128; README, Speed). For a model that
+    only translates (Translator.load): training and safetensors want the usual layout back.
+    The tied output projection shares the target embedding's storage, whose row lookups do not mind.
+    """
+    if next(model.parameters()).device.type == "cpu":
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, nn.Linear) and module.weight.is_contiguous():
+                    module.weight.data = module.weight.data.t().contiguous().t()  # (out, in), column-major
+    return model
+
+
 class Translator:
     """`Translator.load(dir).translate(["Ein Hund läuft."])` -> ["A dog runs."]."""
 
@@ -61,15 +84,7 @@ class Translator:
                 f"tokenizer vocabulary sizes ({tokenizer.src_vocab_size}, {tokenizer.tgt_vocab_size}) differ "
                 f"from the model's ({model.config.src_vocab_size}, {model.config.tgt_vocab_size})"
             )
-        if (
-            dtype == "int8"
-        ):  # CPU translation: every Linear with int8 weights, activations quantised per batch
-            if next(model.parameters()).device.type != "cpu":
-                raise ValueError(
-                    "dtype int8 (dynamic quantisation) is for CPU translation; use bf16 on a GPU"
-                )
-            model = torch.ao.quantization.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
-        self.model = model.eval()
+        self.model = quantize_int8(model) if dtype == "int8" else model.eval()
         self.tokenizer = tokenizer
         self.search_config = search_config or SearchConfig()
         self.dtype = dtype
@@ -83,7 +98,7 @@ class Translator:
         dtype: Literal["auto", "fp32", "bf16", "int8"] = "fp32",
         device: str | torch.device | None = None,
     ) -> Translator:
-        model = load_model(directory, device or default_device())
+        model = transpose_weights(load_model(directory, device or default_device()))  # ours alone
         return cls(model, Tokenizer.load(directory), search_config, dtype)
 
     @property

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import aiayn_model  # noqa: E402
@@ -42,20 +41,14 @@ from common import (  # noqa: E402
 
 from aiayn.config import SearchConfig  # noqa: E402
 from aiayn.search import search  # noqa: E402
-from aiayn.translate import autocast  # noqa: E402
+from aiayn.translate import autocast, quantize_int8, transpose_weights  # noqa: E402
 
 NEW_TOKENS = 24
 
 
-def int8(model: nn.Module) -> nn.Module:
-    """PyTorch dynamic int8 quantisation of every Linear layer (CPU)."""
-    return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
-
-
 def aiayn_translator(shape: dict, dtype: str):
-    model = aiayn_model(shape).eval()
-    if dtype == "int8":
-        model = int8(model)
+    model = aiayn_model(shape).eval()  # as Translator.load prepares it:
+    model = quantize_int8(model) if dtype == "int8" else transpose_weights(model)
 
     def run(batch: list[list[int]], beam: int) -> None:
         config = SearchConfig(beam_size=beam)
@@ -71,7 +64,7 @@ def torch_translator(shape: dict, dtype: str):
     torch.backends.mha.set_fastpath_enabled(dtype == "fp32")
     model = TorchTransformer(**shape).eval()
     if dtype == "int8":
-        model = int8(model)
+        model = quantize_int8(model)  # the same PyTorch dynamic quantisation as aiayn's
     enabled = dtype == "bf16"
 
     def run(batch: list[list[int]], beam: int) -> None:
@@ -88,7 +81,7 @@ def marian_translator(shape: dict, dtype: str):
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     if dtype == "int8":
-        model = int8(model)
+        model = quantize_int8(model)  # the same PyTorch dynamic quantisation as aiayn's
 
     def run(batch: list[list[int]], beam: int) -> None:
         src = pad(batch)

@@ -145,3 +145,22 @@ def test_translator_refuses_a_tokenizer_of_another_vocabulary(model, tokenizer):
 def test_translate_of_nothing_is_nothing(translator):
     assert translator.translate([]) == []
     assert translator.translate_n_best([], 2) == []
+
+
+def test_transposed_weights_are_the_same_model_in_another_layout(model, tokenizer, tmp_path):
+    """Translator.load stores Linear weights column-major: same numbers, same translations, still tied."""
+    from aiayn.checkpoint import save_model
+
+    save_model(tmp_path, model, tokenizer)
+    loaded = Translator.load(tmp_path, search_config=SearchConfig(beam_size=4), device=torch.device("cpu"))
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+    assert loaded.model.generator.weight is loaded.model.tgt_embed.tokens.weight  # §3.4 tying survives
+    for p, q in zip(model.parameters(), loaded.model.parameters()):
+        assert torch.equal(p, q)
+    src = torch.tensor([tokenizer.encode_src(INPUTS[:1])[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(src, src[:, :5]), model(src, src[:, :5]), atol=1e-5, rtol=0)
+    assert loaded.translate(INPUTS) == Translator(model, tokenizer, SearchConfig(beam_size=4)).translate(
+        INPUTS
+    )
