@@ -388,8 +388,14 @@ class Transformer(nn.Module):
             layers.append(LayerCache(self_k, self_v, spare_k, spare_v, k, v))
         return DecoderCache(layers, memory.src_mask)
 
-    def decode(self, tgt_in: Tensor, memory: Memory | None, cache: DecoderCache | None = None) -> Tensor:
-        """Logits (B, L, V) for target positions.
+    def decode(
+        self,
+        tgt_in: Tensor,
+        memory: Memory | None,
+        cache: DecoderCache | None = None,
+        where: Tensor | None = None,
+    ) -> Tensor:
+        """Logits (B, L, V) for target positions; (n, V) at the n positions where `where` (B, L) is True.
 
         Without a cache, tgt_in (B, T) is the whole shifted target (BOS first) and L = T.
         With a cache, tgt_in (B*N, L) holds only the next L positions of each row of the cache, which
@@ -406,11 +412,17 @@ class Transformer(nn.Module):
             for layer, layer_cache in zip(self.decoder, cache.layers):
                 y = layer(y, None, cache.src_mask, layer_cache, start, cache.beam)  # (B*N, L, D)
             cache.length = start + tgt_in.size(1)
-        return self.generator(self.decoder_norm(y))  # (B, L, V)
+        if where is not None:  # only the positions that are asked for reach the vocabulary projection
+            y = y[where]  # (n, D)
+        return self.generator(self.decoder_norm(y))  # (B, L, V) or (n, V)
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """src (B, S), tgt_in (B, T) -> logits (B, T, V). Softmax and loss live in train.py."""
-        return self.decode(tgt_in, self.encode(src))
+    def forward(self, src: Tensor, tgt_in: Tensor, where: Tensor | None = None) -> Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V). Softmax and loss live in train.py.
+
+        where (B, T) bool: logits only at those positions, (n, V). Training passes its non-pad
+        targets, so the output projection and the loss spend nothing on padding.
+        """
+        return self.decode(tgt_in, self.encode(src), where=where)
 
     @torch.no_grad()
     def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:

@@ -32,7 +32,7 @@ from aiayn.translate import Translator, autocast, default_device
 def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> tuple[Tensor, Tensor]:
     """Summed label-smoothed cross-entropy and summed NLL (detached) over non-pad targets.
 
-    logits (B, T, V), target (B, T). The smoothed target spreads epsilon uniformly over all V classes,
+    logits (B, T, V), target (B, T); or logits (n, V) and target (n,) of the non-pad positions alone. The smoothed target spreads epsilon uniformly over all V classes,
     q = (1 - eps) * onehot + eps / V (the paper's eps_ls = 0.1; PyTorch's `label_smoothing` likewise), so
     -sum q log p = (1 - eps) * NLL + eps / V * sum_v -log p_v. One log-softmax serves both sums.
     """
@@ -121,8 +121,9 @@ def train_step(
     loss_total = torch.zeros(())
     for src, tgt_in, tgt_out in micro_batches:
         with autocast(src.device, cfg.dtype):
-            logits = model(src, tgt_in)  # (B, T, V)
-        loss, _ = label_smoothed_loss(logits, tgt_out, cfg.label_smoothing, pad)
+            real = tgt_out != pad  # (B, T)
+            logits = model(src, tgt_in, where=real)  # (n, V): no vocabulary work on padding
+        loss, _ = label_smoothed_loss(logits, tgt_out[real], cfg.label_smoothing, pad)
         (loss / n_tokens).backward()
         loss_total += loss.detach().cpu()
     if torch.isfinite(loss_total):
@@ -165,7 +166,10 @@ def validate(
                 t.to(device)
                 for t in collate(src_ids, tgt_ids, [keep[i] for i in batch], pad, model.config.bos_id)
             )
-            loss, nll = label_smoothed_loss(model(src, tgt_in), tgt_out, config.label_smoothing, pad)
+            real = tgt_out != pad  # (B, T)
+            loss, nll = label_smoothed_loss(
+                model(src, tgt_in, real), tgt_out[real], config.label_smoothing, pad
+            )
             loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
             tokens += (tgt_out != pad).sum().item()
     translator = Translator(model, tokenizer, SearchConfig(beam_size=config.valid_beam_size), config.dtype)

@@ -511,7 +511,7 @@ def test_skip_nonfinite_skips_the_batch_and_goes_on(tokenizer, tmp_path, monkeyp
     ],
 )
 def test_out_of_memory_names_the_flag_to_lower(tokenizer, tmp_path, monkeypatch, error):
-    def forward(self, src, tgt_in):
+    def forward(self, src, tgt_in, where=None):
         raise error
 
     monkeypatch.setattr(Transformer, "forward", forward)
@@ -521,7 +521,7 @@ def test_out_of_memory_names_the_flag_to_lower(tokenizer, tmp_path, monkeypatch,
 
 
 def test_other_runtime_errors_are_not_called_out_of_memory(tokenizer, tmp_path, monkeypatch):
-    def forward(self, src, tgt_in):
+    def forward(self, src, tgt_in, where=None):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     monkeypatch.setattr(Transformer, "forward", forward)

@@ -375,6 +375,15 @@ def test_padding_does_not_change_the_logits():
         assert model.tgt_embed(pads).abs().max() > 0.1
 
 
+def test_logits_where_asked_are_the_full_logits_at_those_positions():
+    torch.manual_seed(9)
+    model = tiny()
+    src, tgt = padded_batch()
+    where = torch.rand(tgt.shape) < 0.5  # (B, T) any positions, in row-major order
+    with torch.no_grad():
+        torch.testing.assert_close(model(src, tgt, where), model(src, tgt)[where], atol=1e-6, rtol=0)
+
+
 def test_batching_with_a_longer_sentence_gives_the_same_logits():
     torch.manual_seed(8)
     model = tiny()
