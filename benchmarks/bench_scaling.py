@@ -85,6 +85,8 @@ def plot(rows: list[dict], path: Path, config: str) -> None:
     ):
         ax.plot(lengths, [r[key] for r in rows], "o-")
         ax.set(xscale="log", xlabel="sentence length (tokens)", title=label)
+        if key.startswith("train"):
+            ax.set_ylim(bottom=0)  # from zero: small differences are noise, not a trend
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.grid(alpha=0.3)
     axes[2].set_yscale("log")
