@@ -245,20 +245,23 @@ class DecoderCache:
         sentences (B',): the sentences whose encoder-decoder keys/values stay, in the new order;
         None keeps them all (beams reordering within their sentences).
         """
-        n, R = self.length, index.numel()
         for layer in self.layers:
-            for name in ("k", "v"):
-                live, spare = getattr(layer, "self_" + name), getattr(layer, "spare_" + name)
-                if spare.size(0) < R:  # the batch grows (e.g. B sentences -> B*N beams)
-                    spare = live.new_empty(R, *live.shape[1:])  # (R', T_max, D)
-                torch.index_select(live[:, :n], 0, index, out=spare[:R, :n])  # (R', n, D)
-                setattr(layer, "self_" + name, spare[:R])
-                setattr(layer, "spare_" + name, live)
+            layer.self_k, layer.spare_k = gather_rows(layer.self_k, layer.spare_k, index, self.length)
+            layer.self_v, layer.spare_v = gather_rows(layer.self_v, layer.spare_v, index, self.length)
             if sentences is not None:
                 layer.cross_k = layer.cross_k.index_select(0, sentences)  # (B', S, D)
                 layer.cross_v = layer.cross_v.index_select(0, sentences)
         if sentences is not None and self.src_mask is not None:
             self.src_mask = self.src_mask.index_select(0, sentences)  # (B', 1, 1, S)
+
+
+def gather_rows(live: Tensor, spare: Tensor, index: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Rows `index` (R',) of live (R, T_max, D), positions [0, n), copied into spare: (new live, new spare)."""
+    R = index.numel()
+    if spare.size(0) < R:  # the batch grows (e.g. B sentences -> B*N beams)
+        spare = live.new_empty(R, *live.shape[1:])  # (R', T_max, D)
+    torch.index_select(live[:, :n], 0, index, out=spare[:R, :n])  # (R', n, D)
+    return spare[:R], live
 
 
 class DecoderLayer(nn.Module):

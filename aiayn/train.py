@@ -32,7 +32,8 @@ from aiayn.translate import Translator, autocast, default_device
 def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> tuple[Tensor, Tensor]:
     """Summed label-smoothed cross-entropy and summed NLL (detached) over non-pad targets.
 
-    logits (B, T, V), target (B, T); or logits (n, V) and target (n,) of the non-pad positions alone. The smoothed target spreads epsilon uniformly over all V classes,
+    logits (B, T, V), target (B, T); or logits (n, V) and target (n,) of the non-pad positions alone.
+    The smoothed target spreads epsilon uniformly over all V classes,
     q = (1 - eps) * onehot + eps / V (the paper's eps_ls = 0.1; PyTorch's `label_smoothing` likewise), so
     -sum q log p = (1 - eps) * NLL + eps / V * sum_v -log p_v. One log-softmax serves both sums.
     """
