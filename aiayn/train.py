@@ -172,7 +172,7 @@ def validate(
                 model(src, tgt_in, real), tgt_out[real], config.label_smoothing, pad
             )
             loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
-            tokens += (tgt_out != pad).sum().item()
+            tokens += real.sum().item()
     translator = Translator(model, tokenizer, SearchConfig(beam_size=config.valid_beam_size), config.dtype)
     hyps = translator.translate(corpus.valid_src)
     bleu = sacrebleu.corpus_bleu(hyps, [corpus.valid_tgt])
