@@ -26,3 +26,20 @@ def assert_one_line_error(code: int, stderr: str, *needles: str) -> None:
     assert len(errors) == 1 and stderr.rstrip("\n").endswith(errors[0]), stderr
     for needle in needles:
         assert needle in errors[0], (needle, errors[0])
+
+
+def train_argv(prefix, out, *extra) -> list:
+    """`aiayn train` on PREFIX.en / PREFIX.xx into OUT, quietly, with `extra` flags after (they win)."""
+    return [
+        "train",
+        "--train",
+        prefix,
+        "--src-lang",
+        "en",
+        "--tgt-lang",
+        "xx",
+        "--out",
+        out,
+        "--quiet",
+        *extra,
+    ]

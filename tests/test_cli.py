@@ -10,7 +10,7 @@ import pytest
 import sacrebleu
 import safetensors.torch
 import torch
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli, train_argv
 
 from aiayn import checkpoint
 from aiayn.cli import main
@@ -167,22 +167,6 @@ def test_train_refuses_to_overwrite_a_model(workdir):
 @pytest.fixture(scope="module")
 def corpus_prefix(workdir):
     return str(workdir[0] / "train")
-
-
-def train_argv(prefix: str, out, *extra) -> list:
-    return [
-        "train",
-        "--train",
-        prefix,
-        "--src-lang",
-        "en",
-        "--tgt-lang",
-        "xx",
-        "--out",
-        out,
-        "--quiet",
-        *extra,
-    ]
 
 
 @pytest.mark.parametrize(

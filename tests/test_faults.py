@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli, train_argv
 
 from aiayn import checkpoint
 from aiayn import train as train_module
@@ -47,27 +47,8 @@ def run(*argv) -> tuple[int, str, str]:
 
 def tiny_train(prefix, out, *extra) -> list:
     """`aiayn train` arguments for one quick update of a tiny model."""
-    return [
-        "train",
-        "--train",
-        prefix,
-        "--src-lang",
-        "en",
-        "--tgt-lang",
-        "xx",
-        "--out",
-        out,
-        "--preset",
-        "tiny",
-        "--vocab-size",
-        300,
-        "--max-updates",
-        1,
-        "--set",
-        "dtype=fp32",
-        "--quiet",
-        *extra,
-    ]
+    tiny = ["--preset", "tiny", "--vocab-size", 300, "--max-updates", 1, "--set", "dtype=fp32"]
+    return train_argv(prefix, out, *tiny, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -364,28 +345,9 @@ def cli(*argv) -> list[str]:
 
 
 def run_argv(prefix: Path, out: Path, max_updates: int) -> list:
-    return [
-        "train",
-        "--train",
-        prefix,
-        "--valid",
-        f"{prefix}-valid",
-        "--src-lang",
-        "en",
-        "--tgt-lang",
-        "xx",
-        "--out",
-        out,
-        "--preset",
-        "tiny",
-        "--vocab-size",
-        300,
-        "--max-tokens",
-        500,
-        "--max-updates",
-        max_updates,
-        "--quiet",
-    ] + [f"--set={s}" for s in ("dtype=fp32", "valid_every=5", "warmup_steps=10", "dropout=0.1")]
+    flags = ["--valid", f"{prefix}-valid", "--preset", "tiny", "--vocab-size", 300, "--max-tokens", 500]
+    settings = [f"--set={s}" for s in ("dtype=fp32", "valid_every=5", "warmup_steps=10", "dropout=0.1")]
+    return train_argv(prefix, out, *flags, "--max-updates", max_updates, *settings)
 
 
 @pytest.fixture(scope="module")
