@@ -1,4 +1,17 @@
-"""aiayn: the Transformer of "Attention Is All You Need", faithful by default, tested and fast."""
+"""aiayn: the Transformer of "Attention Is All You Need", faithful by default, tested and fast.
+
+The modules in layers, bottom to top. A module imports only from layers below its own, so data flows
+one way (tests/test_layers.py holds the code to this table):
+
+    files precision                  writing results safely; device and number format
+    config tokenizer                 frozen configs and presets; vocabularies and the special ids
+    model synthetic                  the Transformer (§3); the demo's generated task
+    data search checkpoint           reading and batching text; search over ids; model directories
+    run translate                    a training run's directory; text in, text out
+    train evaluate export plots      the training loop; sacreBLEU; CTranslate2; pictures
+    demo                             the built-in job
+    cli                              the command line
+"""
 
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig, preset
 

@@ -1,18 +1,21 @@
-"""Model directories: atomic save and safe load of weights, configs and training state; averaging (§6.1).
+"""Model directories: save and safe load of weights, configs and training state; averaging (§6.1).
 
-A model directory holds `config.json` (ModelConfig), `model.safetensors`, the tokenizer file(s)
-and, in a training checkpoint, `state.pt` (optimizer, schedule, step, data position, RNG) and
-`train.json` (TrainConfig). Everything is written to a temporary name, fsynced and renamed, so a
-kill at any moment leaves the previous version loadable. Nothing is unpickled: weights are
-safetensors and `state.pt` is read with `torch.load(weights_only=True)`.
+A model directory holds `config.json` (ModelConfig), `model.safetensors` and the tokenizer file(s);
+a training checkpoint (OUT/checkpoints/step_N) adds `state.pt` (optimizer, progress, RNG) and
+`train.json` (TrainConfig). A model directory is written as a set whose config.json lands last, and a
+checkpoint under a temporary name renamed whole, so a kill at any moment leaves the previous version
+loadable (files.py). Nothing is unpickled: weights are safetensors and `state.pt` is read with
+`torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
+import struct
 import tempfile
-from collections.abc import Callable
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -20,51 +23,113 @@ import safetensors
 import safetensors.torch
 import torch
 
-from aiayn.config import ModelConfig, TrainConfig, load_json, save_json
+from aiayn.config import ModelConfig, TrainConfig, from_dict, read_json, save_json
+from aiayn.files import TMP_SUFFIX, atomic_write, fsync_dir, write_set
 from aiayn.model import Transformer
-from aiayn.tokenizer import Tokenizer
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 CONFIG, WEIGHTS, STATE, TRAIN_CONFIG = "config.json", "model.safetensors", "state.pt", "train.json"
 CHECKPOINTS = "checkpoints"
 
-
-def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
-    """Call write(tmp) on a temporary file beside `path`, fsync it, then rename it over `path`."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; models and translations are not secrets
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_dir(path.parent)
+# Names of model directories written before the special ids left ModelConfig and the layer norms left
+# their Residual wrappers; such directories still load.
+_LEGACY_IDS = {"pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID}
+_LEGACY_NAMES = {
+    "res_attn.norm.": "self_attn_norm.",
+    "res_self.norm.": "self_attn_norm.",
+    "res_cross.norm.": "cross_attn_norm.",
+    "res_ff.norm.": "feed_forward_norm.",
+}
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# --- Weights --------------------------------------------------------------------------------------
+
+
+def weights_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The state dict with each shared matrix stored once, under the first of its names in sorted order
+    (the tied output projection keeps `generator.weight`); loading ties them again."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, tensor in sorted(model.state_dict().items()):
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = tensor.detach().contiguous()
+    return tensors
+
+
+def write_weights(model: Transformer, path: Path) -> None:
+    """safetensors of the model's weights; the same weights give the same bytes."""
+    safetensors.torch.save_file(weights_dict(model), str(path))
 
 
 def save_weights(model: Transformer, path: str | Path) -> None:
-    """safetensors of the model's state; tied matrices are stored once (save_model dedups them)."""
-    atomic_write(path, lambda tmp: safetensors.torch.save_model(model, str(tmp)))
+    atomic_write(path, lambda tmp: write_weights(model, tmp))
 
 
-def save_model(directory: str | Path, model: Transformer, tokenizer: Any) -> None:
-    """Write (or overwrite, file by file, atomically) a model directory that Translator.load reads."""
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file by name (old names renamed); a damaged file is a ValueError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        tensors = safetensors.torch.load_file(str(path))
+    except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read model weights ({e})") from None
+    renamed = {}
+    for name, tensor in tensors.items():
+        for old, new in _LEGACY_NAMES.items():
+            name = name.replace(old, new)
+        renamed[name] = tensor
+    return renamed
+
+
+def load_weights(model: Transformer, path: str | Path) -> None:
+    """Load safetensors weights; a truncated, corrupted or mismatched file is a ValueError naming it."""
+    tensors = read_weights(path)
+    expected = model.state_dict()
+    wrong = [n for n, t in tensors.items() if n in expected and t.shape != expected[n].shape]
+    if wrong:
+        n = wrong[0]
+        raise ValueError(
+            f"{path}: weights do not fit config.json ({n} is {tuple(tensors[n].shape)}, the config makes it "
+            f"{tuple(expected[n].shape)})"
+        )
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    stored = set(weights_dict(model))  # a tied name is missing from the file by design
+    missing = [n for n in missing if n in stored]
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: weights do not fit config.json (missing {missing}, unexpected {unexpected})"
+        )
+
+
+# --- Model directories ----------------------------------------------------------------------------
+
+
+def save_model(directory: str | Path, model: Transformer, tokenizer: Tokenizer) -> None:
+    """Write (or replace) a model directory that Translator.load reads: never a mix of two models."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    atomic_write(directory / CONFIG, lambda tmp: save_json(model.config, tmp))
-    tokenizer.save(directory)
-    save_weights(model, directory / WEIGHTS)
+    files = {WEIGHTS: lambda tmp: write_weights(model, tmp)}
+    for name, text in tokenizer.files().items():
+        files[name] = lambda tmp, text=text: tmp.write_text(text, encoding="utf-8")
+    files[CONFIG] = lambda tmp: save_json(model.config, tmp)
+    write_set(directory, files, last=CONFIG, stale=tokenizer.stale_files())
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """A ModelConfig file; special ids saved by earlier versions are accepted when they are the tokenizer's."""
+    values = read_json(path)
+    for key, expected in _LEGACY_IDS.items():
+        if key in values:
+            if values[key] != expected:
+                raise ValueError(
+                    f"{path}: {key}={values[key]}, but the tokenizer's {key} is {expected}; this model "
+                    "was made for another vocabulary layout"
+                )
+            del values[key]
+    return from_dict(ModelConfig, values, where=str(path))
 
 
 def load_model_config(directory: str | Path) -> ModelConfig:
@@ -73,22 +138,7 @@ def load_model_config(directory: str | Path) -> ModelConfig:
         raise ValueError(f"{directory}: not a directory")
     if not (directory / CONFIG).is_file():
         raise ValueError(f"{directory}: not a model directory (no {CONFIG})")
-    return load_json(ModelConfig, directory / CONFIG)
-
-
-def load_weights(model: Transformer, path: str | Path) -> None:
-    """Load safetensors weights; a truncated, corrupted or mismatched file is a ValueError naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    try:
-        missing, unexpected = safetensors.torch.load_model(model, str(path), strict=False)
-    except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read model weights ({e})") from None
-    if missing or unexpected:
-        raise ValueError(
-            f"{path}: weights do not fit config.json (missing {missing}, unexpected {unexpected})"
-        )
+    return read_model_config(directory / CONFIG)
 
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu") -> Transformer:
@@ -99,11 +149,14 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> Tra
     return model.to(device).eval()
 
 
+# --- Training checkpoints -------------------------------------------------------------------------
+
+
 def save_checkpoint(
     out: str | Path,
     step: int,
     model: Transformer,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     train_config: TrainConfig,
     state: dict[str, Any],
 ) -> Path:
@@ -111,7 +164,7 @@ def save_checkpoint(
     root = Path(out) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".tmp"))
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=TMP_SUFFIX))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private, like mkstemp in atomic_write
         save_model(tmp, model, tokenizer)
@@ -135,11 +188,22 @@ def list_checkpoints(out: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
 
 
+def checkpoint_path(out: str | Path, step: int) -> Path:
+    return Path(out) / CHECKPOINTS / f"step_{step:08d}"
+
+
 def prune_checkpoints(out: str | Path, keep_last: int, keep: Path | None = None) -> None:
     """Delete all but the newest `keep_last` checkpoints, and never `keep` (the best one)."""
     for path in list_checkpoints(out)[:-keep_last]:
         if keep is None or path.resolve() != keep.resolve():
             shutil.rmtree(path)
+
+
+# The ways torch.load reports a damaged file (zip, pickle or tensor data), found by corrupting state files.
+_DAMAGED = (
+    RuntimeError, OSError, EOFError, ValueError, IndexError, KeyError, TypeError, AttributeError,
+    pickle.UnpicklingError, zipfile.BadZipFile, struct.error,
+)  # fmt: skip
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:
@@ -148,9 +212,16 @@ def load_state(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"{path}: no training state here (not a training checkpoint)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a damaged zip/pickle; all mean the same here
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except _DAMAGED as e:
         raise ValueError(f"{path}: cannot read training state ({type(e).__name__}: {e})") from None
+    parts = {"optimizer": dict, "progress": dict, "rng": dict}
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), t) for k, t in parts.items()):
+        raise ValueError(f"{path}: not a training state (expected {sorted(parts)})")
+    return state
+
+
+# --- §6.1 Averaging -------------------------------------------------------------------------------
 
 
 def average_checkpoints(directories: list[Path]) -> dict[str, torch.Tensor]:
@@ -160,25 +231,46 @@ def average_checkpoints(directories: list[Path]) -> dict[str, torch.Tensor]:
     configs = {load_model_config(d) for d in directories}
     if len(configs) > 1:
         raise ValueError(f"checkpoints {[str(d) for d in directories]} have different configs")
+    tokenizers = {tuple(sorted(Tokenizer.load(d).files().items())) for d in directories}
+    if len(tokenizers) > 1:
+        raise ValueError(
+            f"checkpoints {[str(d) for d in directories]} have different tokenizers: they are not one run"
+        )
     total: dict[str, torch.Tensor] = {}
+    first = directories[0]
     for d in directories:
-        tensors = safetensors.torch.load_file(str(d / WEIGHTS))
+        tensors = read_weights(d / WEIGHTS)
+        if total and {n: t.shape for n, t in tensors.items()} != {n: t.shape for n, t in total.items()}:
+            raise ValueError(f"{d / WEIGHTS}: its tensors differ in names or shapes from {first / WEIGHTS}")
         for name, tensor in tensors.items():
             total[name] = total.get(name, 0) + tensor.double()
     return {name: (t / len(directories)).float() for name, t in total.items()}
 
 
-def average(out: str | Path, last: int, dest: str | Path) -> Path:
-    """Average the last N checkpoints of a training directory into a new model directory."""
+def average(out: str | Path, last: int, dest: str | Path, force: bool = False) -> Path:
+    """Average the last N checkpoints of a training directory into a new model directory DEST."""
+    out, dest = Path(out), Path(dest)
     if last < 1:  # checkpoints[-0:] would be all of them
         raise ValueError(f"the number of checkpoints to average must be at least 1, got {last}")
     checkpoints = list_checkpoints(out)
     if len(checkpoints) < last:
         raise ValueError(f"{out}: asked to average the last {last} checkpoints, found {len(checkpoints)}")
+    if dest.exists():
+        inside = dest.resolve() == out.resolve() or out.resolve() in dest.resolve().parents
+        if inside:
+            raise ValueError(
+                f"{dest}: the average cannot be written into the run it reads ({out} holds the run's best "
+                "model and its checkpoints); choose a new directory"
+            )
+        if not force:
+            raise ValueError(f"{dest} already exists; use --force to replace it")
     chosen = checkpoints[-last:]
     model = Transformer(load_model_config(chosen[0]))
-    missing, unexpected = model.load_state_dict(average_checkpoints(chosen), strict=False)
-    tied = {"generator.weight", "src_embed.tokens.weight", "tgt_embed.tokens.weight"}
-    assert not unexpected and set(missing) <= tied, (missing, unexpected)
+    load_state_dict_tied(model, average_checkpoints(chosen))
     save_model(dest, model, Tokenizer.load(chosen[-1]))
-    return Path(dest)
+    return dest
+
+
+def load_state_dict_tied(model: Transformer, tensors: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and not set(missing) & set(weights_dict(model)), (missing, unexpected)

@@ -1,9 +1,12 @@
-"""The `aiayn` command line: thin wrappers that parse flags, build configs and call the library."""
+"""The `aiayn` command line: thin wrappers that parse flags, check paths, build configs and call the library.
+
+Every path and value is checked before the work it is for; a user's mistake is one `aiayn: error:` line
+naming the file, line or value, with exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import signal
 import sys
@@ -13,136 +16,131 @@ from typing import Any
 
 import yaml
 
-from aiayn import checkpoint
 from aiayn.config import (
     PRESETS,
     ModelConfig,
     SearchConfig,
     TrainConfig,
     from_dict,
-    load_json,
     parse_overrides,
     preset,
+    preset_for_vocabulary,
+    split_overrides,
 )
+from aiayn.data import STDIN, input_path, read_lines
+from aiayn.files import check_writable_dir, check_writable_file, write_text
+from aiayn.precision import DEFAULT_DTYPE
 
 
-def overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    """--config YAML and --set key=value, split into ModelConfig and TrainConfig fields."""
-    items: list[str] = []
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ValueError(f"{path}: no such file")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping of key: value")
-        items += [f"{k}={v}" for k, v in loaded.items()]
-    items += args.set
-    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    model_items, train_items = [], []
-    for item in items:
-        key = item.partition("=")[0].strip()
-        if key in model_fields:
-            model_items.append(item)
-        elif key in train_fields:
-            train_items.append(item)
-        else:
-            raise ValueError(
-                f"--set {item!r}: unknown key {key!r}; known keys: {sorted(model_fields | train_fields)}"
-            )
-    return parse_overrides(ModelConfig, model_items), parse_overrides(TrainConfig, train_items)
+def say(text: str) -> None:
+    print(text, file=sys.stderr)
 
 
-def train_config_from(args: argparse.Namespace, train_overrides: dict[str, Any]) -> TrainConfig:
-    flags = {
-        "max_minutes": args.max_minutes,
-        "max_epochs": args.max_epochs,
-        "max_updates": args.max_updates,
-        "max_tokens": args.max_tokens,
-    }
-    return from_dict(TrainConfig, {**{k: v for k, v in flags.items() if v is not None}, **train_overrides})
+# --- train ----------------------------------------------------------------------------------------
+
+
+def config_file(path: str | None) -> dict[str, Any]:
+    """--config YAML: a mapping of config fields to values, passed to the configs as YAML typed them."""
+    if path is None:
+        return {}
+    path = input_path(path)
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ValueError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
+        raise ValueError(f"{path}: expected a mapping of key: value")
+    return loaded
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from aiayn.data import clean_pairs, read_pairs, split_valid
+    from aiayn.data import read_corpus
+    from aiayn.run import Run
     from aiayn.tokenizer import Tokenizer
-    from aiayn.train import Corpus, train
+    from aiayn.train import train
 
-    model_overrides, train_overrides = overrides(args)
-    train_config = train_config_from(args, train_overrides)
+    values = config_file(args.config) | parse_overrides((ModelConfig, TrainConfig), args.set)
+    model_overrides, train_overrides = split_overrides(values, where=args.config or "--set")
+    limits = {"max_minutes": args.max_minutes, "max_epochs": args.max_epochs, "max_updates": args.max_updates}
+    flags = {**limits, "max_tokens": args.max_tokens}
+    train_config = from_dict(TrainConfig, {k: v for k, v in flags.items() if v is not None} | train_overrides)
     preset(args.preset)  # an unknown name fails now, not after reading data and training a tokenizer
-    out = Path(args.out)
-    src, tgt = read_pairs(args.train, args.src_lang, args.tgt_lang, errors=args.encoding_errors)
-    src, tgt, report = clean_pairs(src, tgt)
-    print(f"training pairs: {report}", file=sys.stderr)
-    if args.valid:
-        valid_src, valid_tgt = read_pairs(
-            args.valid, args.src_lang, args.tgt_lang, errors=args.encoding_errors
-        )
-        valid_src, valid_tgt, valid_report = clean_pairs(valid_src, valid_tgt)
-        print(f"validation pairs: {valid_report}", file=sys.stderr)
-    elif args.valid_fraction:
-        src, tgt, valid_src, valid_tgt = split_valid(src, tgt, args.valid_fraction, train_config.seed)
-    else:
-        valid_src, valid_tgt = [], []
-
-    resuming = args.resume and bool(checkpoint.list_checkpoints(out))
-    if resuming:
-        tokenizer = Tokenizer.load(out)
-        model_config = load_json(ModelConfig, out / checkpoint.CONFIG)
-    else:
-        if (out / checkpoint.CONFIG).exists() and not args.force:
-            if args.resume:  # e.g. a run killed before its first checkpoint
-                raise ValueError(f"{out} holds no checkpoint to resume from: use --force to start over")
-            raise ValueError(
-                f"{out} already holds a model: use --resume to continue it or --force to start over"
-            )
-        tokenizer = Tokenizer.train(
-            src, tgt, vocab_size=args.vocab_size, kind=args.tokenizer, joint=not args.separate_vocab
-        )
-        model_config = preset(
-            args.preset,
-            src_vocab_size=tokenizer.src_vocab_size,
-            tgt_vocab_size=tokenizer.tgt_vocab_size,
-            share_embeddings=tokenizer.joint,
-            **model_overrides,
-        )
-    corpus = Corpus(tokenizer.encode_src(src), tokenizer.encode_tgt(tgt), valid_src, valid_tgt)
-    result = train(
-        out, model_config, train_config, tokenizer, corpus, resume=resuming, progress=not args.quiet
+    Tokenizer.check_options(args.vocab_size, args.tokenizer)
+    mode = "force" if args.force else "resume" if args.resume else "new"
+    run = Run.open(args.out, mode, progress=not args.quiet, tensorboard=args.tensorboard)
+    corpus = read_corpus(
+        args.train,
+        args.src_lang,
+        args.tgt_lang,
+        valid=args.valid,
+        valid_fraction=args.valid_fraction,
+        seed=train_config.seed,
+        errors=args.encoding_errors,
+        data_files=data_files(args.data_files),
+        say=say,
     )
-    print(json.dumps(result))
-    if result["reason"].startswith("signal "):
-        # Ctrl-C (SIGINT) or SIGTERM: train() finished the update in progress and saved a checkpoint. The
-        # exit status is the shell's 128 + signal number, so a script sees that the run did not finish.
-        name = result["reason"].removeprefix("signal ")
-        print(
-            f"aiayn: stopped by {name} after update {result['step']}; saved "
-            f"{checkpoint.list_checkpoints(out)[-1]}. Continue with the same command plus --resume",
-            file=sys.stderr,
+    if run.resuming:
+        tokenizer = run.saved_tokenizer()
+    else:
+        joint = not args.separate_vocab
+        tokenizer = Tokenizer.train(
+            corpus.train_src, corpus.train_tgt, vocab_size=args.vocab_size, kind=args.tokenizer, joint=joint
         )
-        return 128 + signal.Signals[name].value
-    return 0
+    sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+    model_config = preset_for_vocabulary(args.preset, *sizes, **model_overrides)
+    vocabulary = (
+        f"{args.tokenizer}, vocab_size {args.vocab_size}, {'separate' if args.separate_vocab else 'joint'}"
+    )
+    result = train(run, model_config, train_config, tokenizer, corpus, settings={"tokenizer": vocabulary})
+    print(json.dumps(result.record()))
+    bleu = f"validation BLEU {result.best_bleu:.2f}" if result.best_bleu >= 0 else "no validation data"
+    held = f"the model of update {result.model_step} ({bleu if result.model_validated else 'not validated'})"
+    if result.stop.signal is None:
+        say(f"aiayn: {args.out} holds {held}")
+        return 0
+    # Ctrl-C (SIGINT) or SIGTERM: train() finished the update in progress and saved a checkpoint. The
+    # exit status is the shell's 128 + signal number, so a script sees that the run did not finish.
+    say(
+        f"aiayn: stopped by {result.stop.signal} after update {result.step}; saved {result.checkpoint}; "
+        f"{args.out} holds {held}. Continue with the same command plus --resume"
+    )
+    return 128 + signal.Signals[result.stop.signal].value
 
 
-def search_config_from(args: argparse.Namespace) -> SearchConfig:
+def data_files(items: list[str]) -> dict[str, list[str]] | None:
+    """--data-files SPLIT=PATH, repeated -> {split: [paths]} for Hugging Face's load_dataset."""
+    if not items:
+        return None
+    files: dict[str, list[str]] = {}
+    for item in items:
+        split, sep, path = item.partition("=")
+        if not sep or not split or not path:
+            raise ValueError(f"--data-files {item!r}: expected SPLIT=PATH, e.g. train=pairs.jsonl")
+        files.setdefault(split, []).append(str(input_path(path)))
+    return files
+
+
+# --- translate, evaluate --------------------------------------------------------------------------
+
+
+def search_config_from(args: argparse.Namespace, n_best: int = 1) -> SearchConfig:
     fields = {"beam_size": args.beam_size, "alpha": args.alpha, "length_penalty": args.length_penalty}
-    return from_dict(SearchConfig, {k: v for k, v in fields.items() if v is not None})
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if n_best > 1:  # an n-best list needs at least as many beams
+        fields["beam_size"] = max(n_best, fields.get("beam_size", SearchConfig.beam_size))
+    return from_dict(SearchConfig, {**fields, "n_best": n_best}, where="search options")
 
 
-def load_translator(args: argparse.Namespace):
+def load_translator(args: argparse.Namespace, search_config: SearchConfig):
     from aiayn.translate import Translator
 
-    return Translator.load(args.model, search_config_from(args), dtype=args.dtype)
-
-
-def read_input(path: str | None) -> list[str]:
-    from aiayn.data import read_lines, split_lines
-
-    if path is None or path == "-":
-        return split_lines(sys.stdin.read())
-    return read_lines(path)
+    return Translator.load(args.model, search_config, dtype=args.dtype)
 
 
 def as_lines(texts: list[str]) -> str:
@@ -152,8 +150,12 @@ def as_lines(texts: list[str]) -> str:
 
 
 def cmd_translate(args: argparse.Namespace) -> None:
-    translator = load_translator(args)
-    lines = read_input(args.input)
+    search_config = search_config_from(args, args.n_best)
+    source = input_path(args.input or STDIN)
+    if args.output:
+        check_writable_file(args.output)
+    translator = load_translator(args, search_config)
+    lines = read_lines(source)
     start = time.perf_counter()
     if args.n_best > 1:
         n_best = translator.translate_n_best(lines, args.n_best)
@@ -161,62 +163,85 @@ def cmd_translate(args: argparse.Namespace) -> None:
     else:
         output = translator.translate(lines, progress=not args.quiet)
     seconds = time.perf_counter() - start
-    text = as_lines(output)
     if args.output:
-        checkpoint.atomic_write(Path(args.output), lambda p: p.write_text(text, encoding="utf-8"))
+        write_text(args.output, as_lines(output))
     else:
-        sys.stdout.write(text)
-    print(
-        f"translated {len(lines)} lines in {seconds:.1f} s ({len(lines) / max(seconds, 1e-9):.1f} lines/s)",
-        file=sys.stderr,
-    )
+        sys.stdout.write(as_lines(output))
+    say(f"translated {len(lines)} lines in {seconds:.1f} s ({len(lines) / max(seconds, 1e-9):.1f} lines/s)")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from aiayn.data import read_lines
     from aiayn.evaluate import evaluate
 
-    translator = load_translator(args)
-    result = evaluate(translator, read_lines(args.src), read_lines(args.ref), progress=not args.quiet)
-    hypotheses = result.pop("hypotheses")
+    search_config = search_config_from(args)
+    src, ref = input_path(args.src), input_path(args.ref)
+    if src == ref == STDIN:
+        raise ValueError("--src and --ref cannot both be standard input")
     if args.output:
-        checkpoint.atomic_write(
-            Path(args.output), lambda p: p.write_text(as_lines(hypotheses), encoding="utf-8")
-        )
+        check_writable_file(args.output)
+    sources, references = read_lines(src), read_lines(ref)
+    for path, lines in ((src, sources), (ref, references)):
+        if not lines:
+            raise ValueError(f"{path}: empty, nothing to evaluate")
+    if len(sources) != len(references):
+        raise ValueError(f"{src} has {len(sources)} lines but {ref} has {len(references)}")
+    result = evaluate(load_translator(args, search_config), sources, references, progress=not args.quiet)
+    hypotheses = result.pop("hypotheses")
     print(result["bleu_detail"])
     print(f"chrF2 = {result['chrf']:.2f}  {result['chrf_signature']}")
     print(json.dumps(result))
+    if args.output:
+        write_text(args.output, as_lines(hypotheses))
+
+
+# --- average, export, plot, demo ------------------------------------------------------------------
 
 
 def cmd_average(args: argparse.Namespace) -> None:
-    dest = checkpoint.average(args.model, args.last, args.out)
+    from aiayn.checkpoint import average
+
+    check_writable_dir(args.out)
+    dest = average(args.model, args.last, args.out, force=args.force)
     print(json.dumps({"averaged": args.last, "out": str(dest)}))
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     from aiayn.export import export_ctranslate2  # needs the optional ctranslate2 package
 
+    check_writable_dir(args.out)
     dest = export_ctranslate2(args.model, args.out, quantization=args.quantization, force=args.force)
     print(json.dumps({"format": args.format, "out": str(dest)}))
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
+    from aiayn.checkpoint import load_model_config
     from aiayn.plots import plot_attention, plot_curves
+    from aiayn.run import METRICS
 
-    out = Path(args.out or args.model)
+    metrics = Path(args.model) / METRICS
+    if args.sentence is None and not metrics.is_file():
+        raise ValueError(
+            f"{args.model}: no {METRICS} to plot curves from; give --sentence for attention maps"
+        )
+    if args.sentence is not None:
+        load_model_config(args.model)  # a model directory, or a clear error before any work
+    out = check_writable_dir(args.out or args.model, "plot directory")
     paths = []
-    metrics = Path(args.model) / "metrics.jsonl"
-    if metrics.exists():
+    if metrics.is_file():
         paths.append(plot_curves(metrics, out / "curves.png"))
-    if args.sentence:
-        paths += plot_attention(load_translator(args), args.sentence, out)
+    if args.sentence is not None:
+        paths += plot_attention(load_translator(args, SearchConfig(beam_size=1)), args.sentence, out)
     print(json.dumps({"plots": [str(p) for p in paths]}))
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
     from aiayn.demo import run_demo
 
-    print(json.dumps(run_demo(Path(args.out), minutes=args.minutes)))
+    out = check_writable_dir(args.out)
+    print(json.dumps(run_demo(out, minutes=args.minutes)))
+
+
+# --- Flags ----------------------------------------------------------------------------------------
 
 
 def search_flags(p: argparse.ArgumentParser) -> None:
@@ -229,25 +254,33 @@ def search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         choices=["auto", "fp32", "bf16", "int8"],
-        default="fp32",
-        help="auto: bf16 on CUDA or AMX; int8: CPU",
+        default=DEFAULT_DTYPE,
+        help="auto (default): bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU",
     )
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="aiayn", description=__doc__)
+    ap = argparse.ArgumentParser(prog="aiayn", description=__doc__.split("\n")[0])
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = ap.add_subparsers(dest="command", required=True)
+    data_forms = (
+        "PREFIX (PREFIX.SRC and PREFIX.TGT, .gz ok), FILE.tsv, - (TSV on stdin) or hf:NAME[:CONFIG[:SPLIT]]"
+    )
 
     p = sub.add_parser("train", help="train a model on parallel text")
-    p.add_argument(
-        "--train", required=True, help="PREFIX (PREFIX.SRC, PREFIX.TGT, .gz ok), FILE.tsv or hf:NAME[:CONFIG]"
-    )
-    p.add_argument("--valid", help="validation data, same forms as --train")
+    p.add_argument("--train", required=True, help=data_forms)
+    p.add_argument("--valid", help="validation data, same forms as --train (hf: reads the validation split)")
     p.add_argument("--valid-fraction", type=float, help="hold out this fraction of --train instead")
+    p.add_argument(
+        "--data-files",
+        action="append",
+        default=[],
+        metavar="SPLIT=PATH",
+        help="local files of an hf: dataset, e.g. --train hf:json --data-files train=pairs.jsonl",
+    )
     p.add_argument("--src-lang", required=True)
     p.add_argument("--tgt-lang", required=True)
-    p.add_argument("--out", required=True, help="model directory to write")
+    p.add_argument("--out", required=True, help="run directory to write (a model directory plus checkpoints)")
     p.add_argument("--preset", default="small", help=", ".join(PRESETS))
     p.add_argument("--max-minutes", type=float)
     p.add_argument("--max-epochs", type=int)
@@ -264,16 +297,21 @@ def parser() -> argparse.ArgumentParser:
         default="strict",
         help="bytes that are not UTF-8: strict = error naming file and line, replace = U+FFFD",
     )
+    p.add_argument(
+        "--tensorboard", action="store_true", help="also write TensorBoard logs (aiayn[tensorboard])"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument(
-        "--force", action="store_true", help="start over: replace the model, checkpoints and metrics in --out"
+        "--force",
+        action="store_true",
+        help="start over: replace the run in --out once the inputs are checked",
     )
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("translate", help="translate lines (stdin to stdout by default)")
     search_flags(p)
-    p.add_argument("--input", help="file to translate (default stdin)")
+    p.add_argument("--input", help="file or pipe to translate (default and -: stdin)")
     p.add_argument("--output", help="file to write (default stdout)")
     p.add_argument("--n-best", type=int, default=1, help="write N-best lists: index<TAB>score<TAB>text")
     p.add_argument("--quiet", action="store_true")
@@ -281,16 +319,17 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="sacreBLEU and chrF of a model on a test set")
     search_flags(p)
-    p.add_argument("--src", required=True)
-    p.add_argument("--ref", required=True)
+    p.add_argument("--src", required=True, help="source lines: a file, a pipe or - (stdin)")
+    p.add_argument("--ref", required=True, help="reference lines: a file, a pipe or - (stdin)")
     p.add_argument("--output", help="also write the translations here")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("average", help="average the last N checkpoints (§6.1)")
-    p.add_argument("model")
+    p = sub.add_parser("average", help="average the last N checkpoints of a run (§6.1)")
+    p.add_argument("model", help="run directory (what `aiayn train --out` wrote)")
     p.add_argument("--last", type=int, required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="a new model directory (not the run's own)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_average)
 
     p = sub.add_parser("export", help="write a model directory for another inference engine")
@@ -318,10 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except ValueError as e:
+    except (ValueError, OSError) as e:
+        # ValueError: the library's word for a user's mistake. OSError: the system refused a file
+        # (a full disk, a permission) after the checks; both are one line, without a traceback.
         if args.debug:
             raise
-        print(f"aiayn: error: {e}", file=sys.stderr)
+        text = str(e) if isinstance(e, ValueError) else f"{e.filename or ''}: {e.strerror or e}"
+        print(f"aiayn: error: {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (reading data, translating): no traceback
         if args.debug:

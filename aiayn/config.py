@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-# Special token ids, the same in every tokenizer this project trains (tokenizer.py).
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+from aiayn.precision import DEFAULT_DTYPE, TrainDtype
+
+# Not settings: the special token ids are the tokenizer's, the same in every vocabulary (tokenizer.py).
+SPECIAL_ID_KEYS = ("pad_id", "bos_id", "eos_id", "unk_id")
+MAX_POSITIONS_LIMIT = 100_000  # a larger table of positions is a typo, not a model
 
 
 @dataclass(frozen=True)
@@ -19,9 +23,6 @@ class ModelConfig:
 
     src_vocab_size: int = 8000
     tgt_vocab_size: int = 8000
-    pad_id: int = PAD_ID
-    bos_id: int = BOS_ID
-    eos_id: int = EOS_ID
     d_model: int = 512
     d_ff: int = 2048
     n_heads: int = 8
@@ -40,6 +41,8 @@ class ModelConfig:
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "d_ff", "n_heads", "max_positions"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_positions > MAX_POSITIONS_LIMIT:
+            raise ValueError(f"max_positions must be at most {MAX_POSITIONS_LIMIT}, got {self.max_positions}")
         for name in ("n_encoder_layers", "n_decoder_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -57,12 +60,6 @@ class ModelConfig:
             )
         if self.share_embeddings and not self.tie_output:
             raise ValueError("share_embeddings=True shares all three matrices, so it needs tie_output=True")
-        ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
-        if len(set(ids.values())) != 3:
-            raise ValueError(f"pad, bos and eos ids must differ, got {ids}")
-        for name, value in ids.items():
-            if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
-                raise ValueError(f"{name}={value} is outside the vocabulary")
 
 
 @dataclass(frozen=True)
@@ -78,9 +75,7 @@ class TrainConfig:
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
     clip_norm: float = 0.0  # 0 = no clipping (the paper does not clip)
-    dtype: Literal["auto", "bf16", "fp32"] = (
-        "auto"  # auto: bf16 autocast on CUDA or a CPU with AMX, else fp32
-    )
+    dtype: TrainDtype = DEFAULT_DTYPE  # auto: bf16 autocast on CUDA or a CPU with AMX, else fp32
     max_len: int = 256  # training pairs with more tokens than this on either side are filtered
     max_epochs: int = 0  # 0 = no limit
     max_updates: int = 0
@@ -99,7 +94,14 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        for name in ("max_epochs", "max_updates", "valid_every", "patience"):
+        if self.lr_scale <= 0:
+            raise ValueError(f"lr_scale must be positive, got {self.lr_scale}")
+        if not 0.0 <= self.adam_beta1 < 1.0 or not 0.0 <= self.adam_beta2 < 1.0 or self.adam_eps <= 0:
+            raise ValueError(
+                f"Adam needs betas in [0, 1) and a positive eps, got {self.adam_beta1}, {self.adam_beta2}, "
+                f"{self.adam_eps}"
+            )
+        for name in ("max_epochs", "max_updates", "valid_every", "patience", "max_minutes", "clip_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 
@@ -123,6 +125,12 @@ class SearchConfig:
             raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}], got {self.n_best}")
         if self.alpha < 0:
             raise ValueError(f"alpha must not be negative, got {self.alpha}")
+        if self.max_len_a < 0 or self.max_len_b < 0 or self.max_len_a == self.max_len_b == 0:
+            raise ValueError(
+                f"the maximum output length max_len_a * input + max_len_b needs both >= 0, not both 0; got "
+                f"max_len_a={self.max_len_a}, "
+                f"max_len_b={self.max_len_b}"
+            )
 
 
 def _model_preset(d_model: int, d_ff: int, n_heads: int, n_layers: int, dropout: float) -> dict[str, Any]:
@@ -155,12 +163,33 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return from_dict(ModelConfig, {**fields, **overrides}, where="preset overrides")
 
 
+def preset_for_vocabulary(
+    name: str, src_vocab_size: int, tgt_vocab_size: int, joint: bool, /, **overrides: Any
+) -> ModelConfig:
+    """A preset for a tokenizer's vocabularies. §3.4's sharing of the embedding matrices follows from
+    the vocabulary: shared for one joint vocabulary unless overridden, and never across two."""
+    share = overrides.pop("share_embeddings", joint)
+    if share and not joint:
+        raise ValueError(
+            "share_embeddings=true needs one vocabulary for both languages, but the tokenizer has one per "
+            "language (--separate-vocab)"
+        )
+    for key in ("src_vocab_size", "tgt_vocab_size", "vocab_size"):
+        if key in overrides:
+            raise ValueError(
+                f"{key} is not a setting here: the tokenizer's vocabulary decides it (--vocab-size)"
+            )
+    vocab = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size)
+    return preset(name, **{**overrides, **vocab, "share_embeddings": share})
+
+
 C = TypeVar("C", ModelConfig, TrainConfig, SearchConfig)
 
 
 def from_dict(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
     """Build a config from a dict, refusing unknown keys (a typo is an error, never ignored)."""
     known = {f.name for f in dataclasses.fields(cls)}
+    _refuse_special_ids(values, where)
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"{where}: unknown {cls.__name__} key(s) {unknown}; known keys: {sorted(known)}")
@@ -170,21 +199,48 @@ def from_dict(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
         raise ValueError(f"{where}: {e}") from None
 
 
-def parse_overrides(cls: type[C], items: list[str]) -> dict[str, Any]:
-    """Turn ["dropout=0.3", "norm=pre"] into typed values for the fields of `cls`."""
-    hints = typing.get_type_hints(cls)
+def parse_overrides(classes: type | tuple[type, ...], items: list[str]) -> dict[str, Any]:
+    """Turn ["dropout=0.3", "norm=pre"] into typed values for the fields of a config class (or several)."""
+    hints: dict[str, Any] = {}
+    for cls in classes if isinstance(classes, tuple) else (classes,):
+        hints |= typing.get_type_hints(cls)
+    name = " or ".join(c.__name__ for c in (classes if isinstance(classes, tuple) else (classes,)))
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep:
             raise ValueError(f"--set {item!r}: expected key=value")
+        _refuse_special_ids([key], f"--set {item!r}")
         if key not in hints:
             raise ValueError(
-                f"--set {item!r}: unknown {cls.__name__} key {key!r}; known keys: {sorted(hints)}"
+                f"--set {item!r}: unknown key {key!r} (not a {name} field); known keys: {sorted(hints)}"
             )
         out[key] = _parse_value(hints[key], text.strip(), f"--set {item!r}")
     return out
+
+
+def _refuse_special_ids(keys: Any, where: str) -> None:
+    for key in keys:
+        if key in SPECIAL_ID_KEYS:
+            raise ValueError(
+                f"{where}: {key} is not a setting; the special token ids belong to the tokenizer "
+                "(pad 0, bos 1, eos 2, unk 3 in every vocabulary aiayn trains)"
+            )
+
+
+def split_overrides(values: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """{key: value} of ModelConfig and TrainConfig fields, split in two; an unknown key is an error."""
+    _refuse_special_ids(values, where)
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - model_fields - train_fields)
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown key(s) {unknown}; known keys: {sorted(model_fields | train_fields)}"
+        )
+    model = {k: v for k, v in values.items() if k in model_fields}
+    return model, {k: v for k, v in values.items() if k in train_fields}
 
 
 def _parse_value(hint: Any, text: str, where: str) -> Any:
@@ -213,8 +269,8 @@ def _check_types(config: Any) -> None:
             ok = value in typing.get_args(hint)
             expected = f"one of {list(typing.get_args(hint))}"
         elif hint is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            expected = "a number"
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            expected = "a finite number"
             if ok and isinstance(value, int):
                 object.__setattr__(config, field.name, float(value))
         elif hint is int:
@@ -233,18 +289,25 @@ def save_json(config: ModelConfig | TrainConfig | SearchConfig, path: str | Path
     Path(path).write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
 
 
-def load_json(cls: type[C], path: str | Path) -> C:
-    """Read a config file; a bad file is a ValueError naming it."""
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A JSON object from a file; a missing or bad file is a ValueError naming it."""
     path = Path(path)
     try:
-        values = json.loads(path.read_text())
+        values = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, expected a JSON file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(values).__name__}")
-    return from_dict(cls, values, where=str(path))
+    return values
+
+
+def load_json(cls: type[C], path: str | Path) -> C:
+    """Read a config file; a bad file is a ValueError naming it."""
+    return from_dict(cls, read_json(path), where=str(path))
 
 
 __all__ = [
@@ -255,10 +318,8 @@ __all__ = [
     "preset",
     "from_dict",
     "parse_overrides",
+    "split_overrides",
+    "read_json",
     "load_json",
     "save_json",
-    "PAD_ID",
-    "BOS_ID",
-    "EOS_ID",
-    "UNK_ID",
 ]

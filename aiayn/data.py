@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
+import sys
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
+
+from aiayn.tokenizer import BOS_ID, PAD_ID
 
 if TYPE_CHECKING:
     import datasets
@@ -35,10 +40,8 @@ def read_parallel(
 
 
 def read_tsv(path: str | Path, *, errors: Errors = "strict") -> tuple[list[str], list[str]]:
-    """One pair per line, `source<TAB>target` (plain or .gz)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
+    """One pair per line, `source<TAB>target` (plain or gzipped; a pipe, or "-" for standard input)."""
+    path = input_path(path)
     src, tgt = [], []
     for number, line in enumerate(_split_lines(_read_bytes(path), path, errors), start=1):
         fields = line.split("\t")
@@ -59,21 +62,24 @@ def read_hf(
     *,
     split: str = "train",
     config: str | None = None,
-    data_files: str | list[str] | None = None,
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Pairs from the `translation` column ({lang: text}) of a Hugging Face dataset.
 
-    `dataset` is a loaded `datasets.Dataset`, or a name for
-    `datasets.load_dataset(dataset, config, split=split, data_files=data_files)`: a hub name such as
-    "Helsinki-NLP/opus_books" with config "de-en", or a local builder such as "json" with
-    `data_files="pairs.jsonl"`.
+    `dataset` is a loaded `datasets.Dataset`, or a name for `datasets.load_dataset(dataset, config,
+    data_files=data_files)` whose `split` is read: a hub name such as "Helsinki-NLP/opus_books" with
+    config "de-en", a local directory of data files (train.jsonl, validation.jsonl, ...), or a builder
+    such as "json" with `data_files={"train": "pairs.jsonl"}`.
     """
     # Imported here: `datasets` takes about a second to import and most runs read plain files.
     import datasets
 
     if isinstance(dataset, str):
         name = dataset if config is None else f"{dataset} ({config})"
-        dataset = datasets.load_dataset(dataset, config, split=split, data_files=data_files)
+        splits = hf_splits(dataset, config, data_files)
+        if split not in splits:
+            raise ValueError(f"hf:{name}: no split {split!r}; it has {sorted(splits)}")
+        dataset = splits[split]
     else:
         name = "dataset"
     if not isinstance(dataset, datasets.Dataset):
@@ -95,19 +101,53 @@ def read_hf(
     return texts[0], texts[1]
 
 
-def read_pairs(
-    spec: str, src_lang: str, tgt_lang: str, *, errors: Errors = "strict", split: str = "train"
-) -> tuple[list[str], list[str]]:
-    """The CLI's one way in: `hf:NAME[:CONFIG]` -> read_hf, `*.tsv[.gz]` -> read_tsv, else read_parallel.
+def hf_splits(name: str, config: str | None, data_files: Any) -> datasets.DatasetDict:
+    """Every split of a Hugging Face dataset; one that cannot be loaded is a ValueError saying why."""
+    import datasets
 
-    `errors` applies to files (Hugging Face text arrives decoded); `split` to Hugging Face datasets.
+    try:
+        loaded = datasets.load_dataset(name, config, data_files=data_files)
+    except ConnectionError as e:
+        raise ValueError(
+            f"hf:{name}: cannot reach the Hugging Face hub ({e}); with no network, a dataset already in the "
+            "local cache loads with HF_DATASETS_OFFLINE=1, and local files with hf:json --data-files"
+        ) from None
+    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
+        raise ValueError(f"hf:{name}: no such dataset or data files ({e})") from None
+    if not isinstance(loaded, datasets.DatasetDict):
+        raise ValueError(f"hf:{name}: expected a dataset with splits, got {type(loaded).__name__}")
+    return loaded
+
+
+HF_SPEC = "hf:NAME[:CONFIG[:SPLIT]]"
+
+
+def read_pairs(
+    spec: str,
+    src_lang: str,
+    tgt_lang: str,
+    *,
+    errors: Errors = "strict",
+    split: str = "train",
+    data_files: dict[str, list[str]] | None = None,
+) -> tuple[list[str], list[str]]:
+    """The CLI's one way in to a parallel corpus:
+
+    - `hf:NAME[:CONFIG[:SPLIT]]`: a Hugging Face dataset (read_hf); SPLIT defaults to `split`;
+    - `*.tsv[.gz]`, a file that is not a PREFIX (a pipe, say), or "-" for standard input: read_tsv;
+    - otherwise PREFIX: PREFIX.SRC_LANG and PREFIX.TGT_LANG (read_parallel).
+
+    `errors` applies to files (Hugging Face text arrives decoded); `data_files` to Hugging Face datasets.
     """
     if spec.startswith("hf:"):
-        name, _, config = spec.removeprefix("hf:").partition(":")
-        if not name:
-            raise ValueError(f"{spec!r}: expected hf:NAME[:CONFIG]")
-        return read_hf(name, src_lang, tgt_lang, split=split, config=config or None)
-    if spec.endswith((".tsv", ".tsv.gz")):
+        name, config, spec_split = (spec.removeprefix("hf:").split(":") + ["", ""])[:3]
+        if not name or spec.count(":") > 3:
+            raise ValueError(f"{spec!r}: expected {HF_SPEC}")
+        return read_hf(
+            name, src_lang, tgt_lang, split=spec_split or split, config=config or None, data_files=data_files
+        )
+    is_prefix = any(Path(f"{spec}.{lang}{gz}").exists() for lang in (src_lang,) for gz in ("", ".gz"))
+    if spec == "-" or spec.endswith((".tsv", ".tsv.gz")) or (Path(spec).exists() and not is_prefix):
         return read_tsv(spec, errors=errors)
     return read_parallel(spec, src_lang, tgt_lang, errors=errors)
 
@@ -115,20 +155,44 @@ def read_pairs(
 def _find(prefix: str | Path, lang: str) -> Path:
     tried = [Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")]
     for path in tried:
-        if path.is_file():
+        if path.exists() and not path.is_dir():
             return path
     raise ValueError(f"no {lang!r} file for prefix {str(prefix)!r}; tried {', '.join(map(str, tried))}")
 
 
+STDIN = Path("-")  # standard input, as a path
+
+
+def input_path(path: str | Path) -> Path:
+    """A path to read from: a file, a pipe (`<(...)`, /dev/stdin) or "-" for standard input."""
+    path = Path(path)
+    if path == STDIN:
+        return path
+    if not path.exists():
+        raise ValueError(f"{path}: no such file")
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, expected a file")
+    return path
+
+
 def _read_bytes(path: Path) -> bytes:
-    if path.suffix == ".gz":
+    """All bytes of a file, pipe or standard input, gunzipped when they are gzip (by name or content)."""
+    try:
+        if path != STDIN:
+            data = path.read_bytes()
+        elif hasattr(sys.stdin, "buffer"):
+            data = sys.stdin.buffer.read()
+        else:  # a text stream put in its place (a notebook, a test): it has decoded already
+            data = sys.stdin.read().encode("utf-8", "surrogateescape")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    if path.suffix == ".gz" or data[:2] == b"\x1f\x8b":
         # gzip reports damage as three unrelated types (OSError, EOFError, zlib.error); all mean the same.
         try:
-            with gzip.open(path, "rb") as f:
-                return f.read()
+            return gzip.decompress(data)
         except (gzip.BadGzipFile, EOFError, zlib.error) as e:
             raise ValueError(f"{path}: not a readable gzip file ({e})") from None
-    return path.read_bytes()
+    return data
 
 
 def _count_lines(data: bytes) -> int:
@@ -161,10 +225,9 @@ def split_lines(text: str) -> list[str]:
 
 
 def read_lines(path: str | Path, errors: Errors = "strict") -> list[str]:
-    """Lines of one UTF-8 text file (plain or .gz); a missing or bad file is a ValueError naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
+    """Lines of one UTF-8 text file (plain or gzipped; a pipe, or "-" for standard input); a missing or
+    bad file is a ValueError naming it."""
+    path = input_path(path)
     return _split_lines(_read_bytes(path), path, errors)
 
 
@@ -227,6 +290,83 @@ def split_valid(
     return [src[i] for i in train], [tgt[i] for i in train], [src[i] for i in valid], [tgt[i] for i in valid]
 
 
+# The corpus of a training run -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Cleaned training and validation pairs of one translation direction, as text."""
+
+    train_src: list[str]
+    train_tgt: list[str]
+    valid_src: list[str] = field(default_factory=list)
+    valid_tgt: list[str] = field(default_factory=list)
+    src_lang: str = "src"
+    tgt_lang: str = "tgt"
+
+    def fingerprint(self) -> dict[str, str]:
+        """The direction and a digest of the text of each part: what a resumed run must train on again."""
+
+        def digest(src: list[str], tgt: list[str]) -> str:
+            h = hashlib.sha256()
+            for s, t in zip(src, tgt):
+                h.update(
+                    s.encode("utf-8", "surrogatepass") + b"\t" + t.encode("utf-8", "surrogatepass") + b"\n"
+                )
+            return f"{len(src)} pairs, sha256 {h.hexdigest()[:16]}"
+
+        return {
+            "src_lang": self.src_lang,
+            "tgt_lang": self.tgt_lang,
+            "train_data": digest(self.train_src, self.train_tgt),
+            "valid_data": digest(self.valid_src, self.valid_tgt),
+        }
+
+
+def read_corpus(
+    train: str,
+    src_lang: str,
+    tgt_lang: str,
+    *,
+    valid: str | None = None,
+    valid_fraction: float | None = None,
+    seed: int = 1,
+    errors: Errors = "strict",
+    data_files: dict[str, list[str]] | None = None,
+    say: Any = print,
+) -> Corpus:
+    """Read and clean the training pairs and their validation pairs, from --valid, a held-out
+    valid_fraction of the training pairs, or (for a Hugging Face dataset) its validation split.
+
+    say: where to report what was read and dropped (one line each).
+    """
+    if valid is not None and valid_fraction is not None:
+        raise ValueError(
+            "give validation data (--valid) or a fraction to hold out (--valid-fraction), not both"
+        )
+    src, tgt, report = clean_pairs(
+        *read_pairs(train, src_lang, tgt_lang, errors=errors, data_files=data_files)
+    )
+    say(f"training pairs: {report}")
+    if not src:
+        raise ValueError(f"{train}: no training pairs left after dropping empty lines")
+    if valid_fraction is not None:
+        src, tgt, valid_src, valid_tgt = split_valid(src, tgt, valid_fraction, seed)
+        return Corpus(src, tgt, valid_src, valid_tgt, src_lang, tgt_lang)
+    if valid is None and train.startswith("hf:") and train.count(":") < 3:  # no SPLIT named
+        name, _, config = train.removeprefix("hf:").partition(":")
+        if "validation" not in hf_splits(name, config or None, data_files):
+            say(f"{train} has no validation split: training without validation")
+            return Corpus(src, tgt, src_lang=src_lang, tgt_lang=tgt_lang)
+        valid = train  # its validation split, read below
+    if valid is None:
+        return Corpus(src, tgt, src_lang=src_lang, tgt_lang=tgt_lang)
+    pairs = read_pairs(valid, src_lang, tgt_lang, errors=errors, split="validation", data_files=data_files)
+    valid_src, valid_tgt, valid_report = clean_pairs(*pairs)
+    say(f"validation pairs: {valid_report}")
+    return Corpus(src, tgt, valid_src, valid_tgt, src_lang, tgt_lang)
+
+
 # Batching -------------------------------------------------------------------------------------------------
 
 
@@ -283,7 +423,7 @@ def make_batches(
 
 
 def collate(
-    src_ids: list[list[int]], tgt_ids: list[list[int]], batch: list[int], pad_id: int, bos_id: int
+    src_ids: list[list[int]], tgt_ids: list[list[int]], batch: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pad one batch to its own longest sequences (never to a fixed maximum).
 
@@ -294,9 +434,9 @@ def collate(
             raise ValueError(f"pair {i} has an empty target; target ids must end with EOS")
     n_src = max(len(src_ids[i]) for i in batch)
     n_tgt = max(len(tgt_ids[i]) for i in batch)
-    src_rows = [src_ids[i] + [pad_id] * (n_src - len(src_ids[i])) for i in batch]
-    tgt_in_rows = [[bos_id, *tgt_ids[i][:-1]] + [pad_id] * (n_tgt - len(tgt_ids[i])) for i in batch]
-    tgt_out_rows = [tgt_ids[i] + [pad_id] * (n_tgt - len(tgt_ids[i])) for i in batch]
+    src_rows = [src_ids[i] + [PAD_ID] * (n_src - len(src_ids[i])) for i in batch]
+    tgt_in_rows = [[BOS_ID, *tgt_ids[i][:-1]] + [PAD_ID] * (n_tgt - len(tgt_ids[i])) for i in batch]
+    tgt_out_rows = [tgt_ids[i] + [PAD_ID] * (n_tgt - len(tgt_ids[i])) for i in batch]
     src = torch.tensor(src_rows, dtype=torch.long)  # (B, S)
     tgt_in = torch.tensor(tgt_in_rows, dtype=torch.long)  # (B, T)
     tgt_out = torch.tensor(tgt_out_rows, dtype=torch.long)  # (B, T)
@@ -304,6 +444,8 @@ def collate(
 
 
 __all__ = [
+    "Corpus",
+    "read_corpus",
     "read_parallel",
     "read_tsv",
     "read_hf",

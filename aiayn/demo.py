@@ -8,11 +8,12 @@ from typing import Any
 
 from aiayn import synthetic
 from aiayn.config import TrainConfig, preset
-from aiayn.data import read_parallel
+from aiayn.data import Corpus, read_parallel
 from aiayn.evaluate import evaluate
 from aiayn.plots import plot_attention, plot_curves
+from aiayn.run import Run
 from aiayn.tokenizer import Tokenizer
-from aiayn.train import Corpus, train
+from aiayn.train import train
 from aiayn.translate import Translator
 
 EXAMPLES = [  # not in the generated training data
@@ -23,12 +24,19 @@ EXAMPLES = [  # not in the generated training data
 
 
 def run_demo(out: Path, minutes: float = 2.5) -> dict[str, Any]:
-    """Train a small model on the synthetic task for `minutes`; returns BLEU and the plot paths."""
+    """Train a small model on the synthetic task for `minutes` (it resumes a demo run in OUT, or
+    continues it when given more minutes); returns BLEU and the plot paths."""
+    if not minutes > 0:
+        raise ValueError(f"the demo needs a time budget of more than 0 minutes, got {minutes}")
+    run = Run.open(out / "model", mode="resume")
     data = out / "data"
     train_prefix, valid_prefix = synthetic.write_task(data)
     src, tgt = read_parallel(train_prefix, synthetic.SRC_LANG, synthetic.TGT_LANG)
     valid_src, valid_tgt = read_parallel(valid_prefix, synthetic.SRC_LANG, synthetic.TGT_LANG)
-    tokenizer = Tokenizer.train(src, tgt, vocab_size=2000)  # large enough for every word to be one token
+    if run.resuming:
+        tokenizer = run.saved_tokenizer()
+    else:  # large enough for every word to be one token
+        tokenizer = Tokenizer.train(src, tgt, vocab_size=2000)
     # A smaller model than the `small` preset: it has to learn the task in a few CPU minutes.
     model_config = preset(
         "small",
@@ -42,9 +50,9 @@ def run_demo(out: Path, minutes: float = 2.5) -> dict[str, Any]:
     train_config = TrainConfig(
         max_minutes=minutes, max_tokens=1500, warmup_steps=200, lr_scale=0.5, valid_every=200
     )
-    model_dir = out / "model"
-    corpus = Corpus(tokenizer.encode_src(src), tokenizer.encode_tgt(tgt), valid_src, valid_tgt)
-    train(model_dir, model_config, train_config, tokenizer, corpus, resume=True)
+    corpus = Corpus(src, tgt, valid_src, valid_tgt, synthetic.SRC_LANG, synthetic.TGT_LANG)
+    train(run, model_config, train_config, tokenizer, corpus)
+    model_dir = run.out
 
     translator = Translator.load(model_dir)  # the best model by validation BLEU, beam 4
     result = evaluate(translator, valid_src, valid_tgt)

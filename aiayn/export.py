@@ -16,11 +16,12 @@ from ctranslate2.converters import Converter
 from ctranslate2.specs import common_spec, model_spec, transformer_spec
 from tqdm import tqdm
 
-from aiayn.checkpoint import fsync_dir, load_model
-from aiayn.config import UNK_ID, ModelConfig, SearchConfig, load_json, save_json
-from aiayn.model import CrossAttention, Residual, SelfAttention, Transformer
+from aiayn.checkpoint import load_model, read_model_config
+from aiayn.config import SearchConfig, save_json
+from aiayn.files import fsync_dir
+from aiayn.model import CrossAttention, FeedForward, SelfAttention, Transformer
 from aiayn.search import Hypothesis, length_penalty
-from aiayn.tokenizer import SPECIAL_TOKENS, Tokenizer
+from aiayn.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, UNK_ID, Tokenizer
 
 AIAYN_CONFIG = "aiayn_config.json"  # our ModelConfig; CTranslate2 writes its own config.json beside it
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses; CTranslate2 would assume 1e-6
@@ -49,14 +50,14 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer) -> transformer_sp
     encoder.embeddings[0].weight = _tensor(model.src_embed.tokens.weight)  # (V_src, D)
     encoder.position_encodings.encodings = _tensor(model.src_embed.position_table(table_rows))  # (P, D)
     for layer_spec, layer in zip(encoder.layer, model.encoder):
-        _self_attention(layer_spec.self_attention, layer.self_attn, layer.res_attn)
-        _feed_forward(layer_spec.ffn, layer.feed_forward, layer.res_ff)
+        _self_attention(layer_spec.self_attention, layer.self_attn, layer.self_attn_norm)
+        _feed_forward(layer_spec.ffn, layer.feed_forward, layer.feed_forward_norm)
     decoder.embeddings.weight = _tensor(model.tgt_embed.tokens.weight)  # (V_tgt, D)
     decoder.position_encodings.encodings = _tensor(model.tgt_embed.position_table(table_rows))  # (P, D)
     for layer_spec, layer in zip(decoder.layer, model.decoder):
-        _self_attention(layer_spec.self_attention, layer.self_attn, layer.res_self)
-        _cross_attention(layer_spec.attention, layer.cross_attn, layer.res_cross)
-        _feed_forward(layer_spec.ffn, layer.feed_forward, layer.res_ff)
+        _self_attention(layer_spec.self_attention, layer.self_attn, layer.self_attn_norm)
+        _cross_attention(layer_spec.attention, layer.cross_attn, layer.cross_attn_norm)
+        _feed_forward(layer_spec.ffn, layer.feed_forward, layer.feed_forward_norm)
     if config.norm == "pre":
         _layer_norm(encoder.layer_norm, model.encoder_norm)
         _layer_norm(decoder.layer_norm, model.decoder_norm)
@@ -64,8 +65,8 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer) -> transformer_sp
 
     spec.config.layer_norm_epsilon = LAYER_NORM_EPS
     spec.config.unk_token = SPECIAL_TOKENS[UNK_ID]
-    spec.config.bos_token = spec.config.decoder_start_token = SPECIAL_TOKENS[config.bos_id]
-    spec.config.eos_token = SPECIAL_TOKENS[config.eos_id]
+    spec.config.bos_token = spec.config.decoder_start_token = SPECIAL_TOKENS[BOS_ID]
+    spec.config.eos_token = SPECIAL_TOKENS[EOS_ID]
     # The source ids are given with their EOS already (Tokenizer.encode_src), as in training.
     spec.config.add_source_bos = spec.config.add_source_eos = False
     spec.register_source_vocabulary(tokenizer.src_tokens())
@@ -85,25 +86,25 @@ def _layer_norm(spec: common_spec.LayerNormSpec, norm: torch.nn.LayerNorm) -> No
     spec.gamma, spec.beta = _tensor(norm.weight), _tensor(norm.bias)
 
 
-def _self_attention(spec, attn: SelfAttention, residual: Residual) -> None:
+def _self_attention(spec, attn: SelfAttention, norm: torch.nn.LayerNorm) -> None:
     """linear[0]: the fused (3D, D) [W^Q; W^K; W^V], our in_proj as it is; linear[1]: W^O."""
     _linear(spec.linear[0], attn.in_proj.weight, attn.in_proj.bias)
     _linear(spec.linear[1], attn.out_proj.weight, attn.out_proj.bias)
-    _layer_norm(spec.layer_norm, residual.norm)
+    _layer_norm(spec.layer_norm, norm)
 
 
-def _cross_attention(spec, attn: CrossAttention, residual: Residual) -> None:
+def _cross_attention(spec, attn: CrossAttention, norm: torch.nn.LayerNorm) -> None:
     """linear[0]: queries W^Q; linear[1]: the fused (2D, D) [W^K; W^V]; linear[2]: W^O."""
     _linear(spec.linear[0], attn.q_proj.weight, attn.q_proj.bias)  # (D, D)
     _linear(spec.linear[1], attn.kv_proj.weight, attn.kv_proj.bias)  # (2D, D)
     _linear(spec.linear[2], attn.out_proj.weight, attn.out_proj.bias)
-    _layer_norm(spec.layer_norm, residual.norm)
+    _layer_norm(spec.layer_norm, norm)
 
 
-def _feed_forward(spec, ff, residual: Residual) -> None:
+def _feed_forward(spec, ff: FeedForward, norm: torch.nn.LayerNorm) -> None:
     _linear(spec.linear_0, ff.w_1.weight, ff.w_1.bias)  # (F, D)
     _linear(spec.linear_1, ff.w_2.weight, ff.w_2.bias)  # (D, F)
-    _layer_norm(spec.layer_norm, residual.norm)
+    _layer_norm(spec.layer_norm, norm)
 
 
 class SpecConverter(Converter):
@@ -179,7 +180,7 @@ class CTranslate2Translator:
         batch_tokens: int = 4096,
     ):
         directory = Path(directory)
-        self.config = load_json(ModelConfig, directory / AIAYN_CONFIG)
+        self.config = read_model_config(directory / AIAYN_CONFIG)
         self.tokenizer = Tokenizer.load(directory)
         self.search_config = search_config or SearchConfig()
         self.batch_tokens = batch_tokens  # source tokens x beam per batch, as Translator
@@ -244,7 +245,7 @@ class CTranslate2Translator:
         ids = [self._tgt_ids[t] for t in tokens]  # EOS included when it was produced
         n = len(ids)
         log_prob = score * n**lp  # CTranslate2's score is log_prob / |Y|^lp
-        if ids and ids[-1] == self.config.eos_id:
+        if ids and ids[-1] == EOS_ID:
             ids = ids[:-1]
         return Hypothesis(ids, log_prob / length_penalty(n, config.alpha, config.length_penalty), log_prob)
 

@@ -1,13 +1,15 @@
 """The Transformer of "Attention Is All You Need", section 3 top to bottom, with a key/value cache.
 
 Shapes: B batch, S source length, T target length, L new target positions in one decode call,
-D d_model, H heads, D/H per-head size, F d_ff, V vocabulary, P positions filled in the cache.
+R rows of a decoder cache (B, or B*N when each sentence has N hypotheses), D d_model, H heads,
+D/H per-head size, F d_ff, V vocabulary, P positions.
 Masks are boolean and True where attention is allowed (the convention of
 `F.scaled_dot_product_attention`); the model builds them itself from the pad id.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -16,14 +18,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.tokenizer import PAD_ID
 
 # --- §3.2 Attention ---------------------------------------------------------------------------------
+
+
+class ScaledDotProductAttention(nn.Module):
+    """§3.2.1 Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, every head at once (PyTorch's fused kernel).
+
+    q (B, H, L, D/H), k and v (B, H, M, D/H), mask broadcastable to (B, H, L, M) -> (B, H, L, D/H).
+    """
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout  # on the attention weights; not in the paper (attention_dropout)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
 
 
 class MultiHeadAttention(nn.Module):
     """§3.2.2 MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W^Q_i, K W^K_i, V W^V_i).
 
-    §3.2.1 scaled dot-product attention softmax(Q K^T / sqrt(d_k)) V is `F.scaled_dot_product_attention`.
     The input projections of all heads are fused matrices; `SelfAttention` and `CrossAttention` own them.
     Projected queries, keys and values stay (B, L, D) until `attend` splits them into heads, so the
     decoder's cache can store them as they come out of the projection.
@@ -33,8 +50,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.n_heads = config.n_heads
         self.out_proj = nn.Linear(config.d_model, config.d_model)  # W^O
-        self.attention_dropout = config.attention_dropout
-        self.recorded: list[Tensor] | None = None  # set to a list to record attention weights
+        self.attention = ScaledDotProductAttention(config.attention_dropout)
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, L, D = x.shape
@@ -44,13 +60,7 @@ class MultiHeadAttention(nn.Module):
         """q (B, L, D), k and v (B, M, D), mask broadcastable to (B, H, L, M) -> (B, L, D)."""
         B, L, D = q.shape
         q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, H, L or M, D/H)
-        if self.recorded is not None:  # visualisation only: weights written out, off the fast path
-            weights = naive_attention_weights(q, k, mask, causal)  # (B, H, L, M)
-            self.recorded.append(weights.detach())
-            out = weights.to(v.dtype) @ v  # (B, H, L, D/H)
-        else:
-            p = self.attention_dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
+        out = self.attention(q, k, v, mask, causal)  # (B, H, L, D/H)
         return self.out_proj(out.transpose(1, 2).reshape(B, L, D))  # (B, L, D)
 
 
@@ -61,9 +71,19 @@ class SelfAttention(MultiHeadAttention):
         super().__init__(config)
         self.in_proj = nn.Linear(config.d_model, 3 * config.d_model)
 
-    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, causal: bool = False, cache: LayerCache | None = None
+    ) -> Tensor:
+        """x (B, L, D) -> (B, L, D). With a cache, x holds L new positions after those the cache holds;
+        they are added to it and attend to all of them (§3.2.3: each position sees itself and earlier)."""
         q, k, v = self.in_proj(x).chunk(3, dim=-1)  # 3 x (B, L, D)
-        return q, k, v
+        if cache is not None:
+            start = cache.length
+            k, v = cache.append(k, v)  # 2 x (B, start + L, D)
+            # position start+i sees [0, start+i]; SDPA's is_causal would align the corner wrongly here
+            mask = None if x.size(1) == 1 else cache_causal_mask(start, cache.length, x.device)  # (L, end)
+            causal = False
+        return self.attend(q, k, v, mask, causal)
 
 
 class CrossAttention(MultiHeadAttention):
@@ -74,28 +94,30 @@ class CrossAttention(MultiHeadAttention):
         self.q_proj = nn.Linear(config.d_model, config.d_model)  # W^Q
         self.kv_proj = nn.Linear(config.d_model, 2 * config.d_model)  # [W^K; W^V], fused
 
-    def project_q(self, x: Tensor) -> Tensor:
-        return self.q_proj(x)  # (B, T, D)
-
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """Computed once per sentence (Transformer.new_cache)."""
+        """Keys and values of the encoder output (B, S, D); a cache computes them once per sentence."""
         k, v = self.kv_proj(memory).chunk(2, dim=-1)  # 2 x (B, S, D)
         return k, v
 
-    def attend_beams(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, beam: int) -> Tensor:
-        """Hypotheses of one sentence share its keys and values.
+    def forward(
+        self, y: Tensor, memory: Tensor | None, src_mask: Tensor | None, cache: LayerCache | None = None
+    ) -> Tensor:
+        """y (R, L, D) -> (R, L, D); keys and values from memory (B, S, D), or from the cache.
 
-        q (B*N, L, D) with the N = beam rows of a sentence next to each other; k and v (B, S, D), one row
-        per sentence. The N hypotheses become N*L queries of their sentence instead of repeating its keys
-        and values N times: the same numbers, N times less memory to read.
+        R may be a multiple of B: then the R/B rows of each sentence sit next to each other (a cache
+        expanded for several hypotheses) and share its keys and values: they become R/B*L queries of
+        their sentence instead of repeating its keys and values, the same numbers with less to read.
         """
+        q = self.q_proj(y)  # (R, L, D)
+        k, v = self.project_kv(memory) if cache is None else (cache.cross_k, cache.cross_v)  # (B, S, D)
         R, L, D = q.shape
-        out = self.attend(q.reshape(R // beam, beam * L, D), k, v, mask)  # (B, N*L, D)
-        return out.view(R, L, D)  # (B*N, L, D)
+        B = k.size(0)
+        out = self.attend(q.reshape(B, R // B * L, D), k, v, src_mask)  # (B, R/B*L, D)
+        return out.view(R, L, D)  # (R, L, D)
 
 
-def naive_attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-    """softmax(Q K^T / sqrt(d_k)) written out, for recording attention maps."""
+def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """softmax(Q K^T / sqrt(d_k)) written out (SDPA never shows it): (B, H, L, D/H), (B, H, M, D/H) -> (B, H, L, M)."""
     scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, L, M)
     if causal:
         L, M = scores.shape[-2:]
@@ -140,7 +162,7 @@ class Embedding(nn.Module):
     def __init__(self, vocab_size: int, config: ModelConfig):
         super().__init__()
         self.d_model = config.d_model
-        self.tokens = nn.Embedding(vocab_size, config.d_model, padding_idx=config.pad_id)
+        self.tokens = nn.Embedding(vocab_size, config.d_model, padding_idx=PAD_ID)
         self.learned = config.positions == "learned"
         if self.learned:  # a named option (the paper found both equal, §3.5 / Table 3 row E)
             self.positions = nn.Embedding(config.max_positions, config.d_model)
@@ -168,48 +190,68 @@ class Embedding(nn.Module):
 
 
 # --- §3.1 Encoder and decoder stacks ---------------------------------------------------------------
-
-
-class Residual(nn.Module):
-    """§3.1 + §5.4: LayerNorm(x + Dropout(Sublayer(x))); pre-norm x + Dropout(Sublayer(LayerNorm(x)))."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(config.d_model)  # per-feature gain and bias
-        self.dropout = nn.Dropout(config.dropout)
-        self.pre_norm = config.norm == "pre"  # deviation, see docs/deviations.md
-
-    def input(self, x: Tensor) -> Tensor:
-        """What the sublayer reads."""
-        return self.norm(x) if self.pre_norm else x
-
-    def output(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
-        """What the next sublayer gets."""
-        x = x + self.dropout(sublayer_out)
-        return x if self.pre_norm else self.norm(x)
+# Each sublayer is wrapped as LayerNorm(x + Dropout(Sublayer(x))) (§3.1, dropout §5.4). The pre-norm
+# option, x + Dropout(Sublayer(LayerNorm(x))) with a final LayerNorm per stack, is a deviation
+# (docs/deviations.md) and reads as its own branch.
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention, then feed-forward, each in a residual connection."""
+    """Self-attention, then feed-forward, each in a residual connection followed by layer norm."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.self_attn = SelfAttention(config)
         self.feed_forward = FeedForward(config)
-        self.res_attn = Residual(config)
-        self.res_ff = Residual(config)
+        self.self_attn_norm = nn.LayerNorm(config.d_model)  # per-feature gain and bias
+        self.feed_forward_norm = nn.LayerNorm(config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.pre_norm = config.norm == "pre"
 
     def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
-        q, k, v = self.self_attn.project_qkv(self.res_attn.input(x))  # 3 x (B, S, D)
-        x = self.res_attn.output(x, self.self_attn.attend(q, k, v, src_mask))  # (B, S, D)
-        return self.res_ff.output(x, self.feed_forward(self.res_ff.input(x)))  # (B, S, D)
+        """x (B, S, D) -> (B, S, D)."""
+        if self.pre_norm:  # deviation
+            x = x + self.dropout(self.self_attn(self.self_attn_norm(x), src_mask))
+            return x + self.dropout(self.feed_forward(self.feed_forward_norm(x)))
+        x = self.self_attn_norm(x + self.dropout(self.self_attn(x, src_mask)))
+        return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention, then feed-forward, each in a residual + norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = SelfAttention(config)
+        self.cross_attn = CrossAttention(config)
+        self.feed_forward = FeedForward(config)
+        self.self_attn_norm = nn.LayerNorm(config.d_model)
+        self.cross_attn_norm = nn.LayerNorm(config.d_model)
+        self.feed_forward_norm = nn.LayerNorm(config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.pre_norm = config.norm == "pre"
+
+    def forward(
+        self, y: Tensor, memory: Tensor | None, src_mask: Tensor | None, cache: LayerCache | None = None
+    ) -> Tensor:
+        """y (R, L, D) -> (R, L, D). Without a cache, y is the whole target (R = B) and the causal mask
+        hides later positions; with one, y holds the next L positions and memory is unused."""
+        if self.pre_norm:  # deviation
+            y = y + self.dropout(self.self_attn(self.self_attn_norm(y), causal=True, cache=cache))
+            y = y + self.dropout(self.cross_attn(self.cross_attn_norm(y), memory, src_mask, cache))
+            return y + self.dropout(self.feed_forward(self.feed_forward_norm(y)))
+        y = self.self_attn_norm(y + self.dropout(self.self_attn(y, causal=True, cache=cache)))
+        y = self.cross_attn_norm(y + self.dropout(self.cross_attn(y, memory, src_mask, cache)))
+        return self.feed_forward_norm(y + self.dropout(self.feed_forward(y)))
+
+
+# --- Incremental decoding: the key/value cache -----------------------------------------------------
 
 
 @dataclass
 class LayerCache:
     """One decoder layer's keys and values, preallocated: self-attention grows, cross stays.
 
-    Rows R = B*N: the N hypotheses of each of B sentences (N = 1 outside beam search).
+    Rows R: B sentences, or B*N after `DecoderCache.expand(N)` (N rows of a sentence next to each other).
     """
 
     self_k: Tensor  # (R, T_max, D), positions [0, length) filled, as the projection wrote them
@@ -218,6 +260,15 @@ class LayerCache:
     spare_v: Tensor
     cross_k: Tensor  # (B, S, D), one row per sentence, from the encoder output, computed once
     cross_v: Tensor  # (B, S, D)
+    length: int = 0  # target positions filled
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write L new positions' keys and values (R, L, D); returns all filled ones (R, length, D)."""
+        end = self.length + k.size(1)
+        self.self_k[:, self.length : end] = k
+        self.self_v[:, self.length : end] = v
+        self.length = end
+        return self.self_k[:, :end], self.self_v[:, :end]
 
 
 @dataclass
@@ -226,15 +277,17 @@ class DecoderCache:
 
     layers: list[LayerCache]
     src_mask: Tensor | None  # (B, 1, 1, S), one row per sentence
-    beam: int = 1  # N: rows per sentence, next to each other; they share the sentence's cross keys/values
-    length: int = 0  # target positions already decoded
 
-    def expand(self, beam: int) -> None:
-        """Give every sentence `beam` rows (copies of its one row): B rows -> B*N, for beam search."""
-        assert self.beam == 1, "expand once"
-        B = self.layers[0].self_k.size(0)
-        self.reorder(torch.arange(B, device=self.layers[0].self_k.device).repeat_interleave(beam))
-        self.beam = beam
+    @property
+    def length(self) -> int:
+        """Target positions already decoded."""
+        return self.layers[0].length
+
+    def expand(self, n: int) -> None:
+        """Give every sentence n rows (copies of its one row): B rows -> B*N, e.g. for beam search."""
+        B = self.layers[0].cross_k.size(0)
+        assert self.layers[0].self_k.size(0) == B, "expand a cache of one row per sentence"
+        self.reorder(torch.arange(B, device=self.layers[0].self_k.device).repeat_interleave(n))
 
     def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
         """Keep or repeat rows: beams follow their parents, finished sentences leave the batch.
@@ -243,11 +296,11 @@ class DecoderCache:
         positions move, gathered into the spare buffer, which then swaps with the live one: one copy,
         no allocation unless the batch grows.
         sentences (B',): the sentences whose encoder-decoder keys/values stay, in the new order;
-        None keeps them all (beams reordering within their sentences).
+        None keeps them all (rows reordering within their sentences).
         """
         for layer in self.layers:
-            layer.self_k, layer.spare_k = gather_rows(layer.self_k, layer.spare_k, index, self.length)
-            layer.self_v, layer.spare_v = gather_rows(layer.self_v, layer.spare_v, index, self.length)
+            layer.self_k, layer.spare_k = gather_rows(layer.self_k, layer.spare_k, index, layer.length)
+            layer.self_v, layer.spare_v = gather_rows(layer.self_v, layer.spare_v, index, layer.length)
             if sentences is not None:
                 layer.cross_k = layer.cross_k.index_select(0, sentences)  # (B', S, D)
                 layer.cross_v = layer.cross_v.index_select(0, sentences)
@@ -264,51 +317,6 @@ def gather_rows(live: Tensor, spare: Tensor, index: Tensor, n: int) -> tuple[Ten
     return spare[:R], live
 
 
-class DecoderLayer(nn.Module):
-    """Masked self-attention, encoder-decoder attention, then feed-forward, each in a residual."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.self_attn = SelfAttention(config)
-        self.cross_attn = CrossAttention(config)
-        self.feed_forward = FeedForward(config)
-        self.res_self = Residual(config)
-        self.res_cross = Residual(config)
-        self.res_ff = Residual(config)
-
-    def forward(
-        self,
-        y: Tensor,
-        memory: Tensor | None,
-        src_mask: Tensor | None,
-        cache: LayerCache | None = None,
-        start: int = 0,
-        beam: int = 1,
-    ) -> Tensor:
-        """y (B, L, D) -> (B, L, D). With a cache, `memory` is unused and B counts rows (B*N)."""
-        q, k, v = self.self_attn.project_qkv(self.res_self.input(y))  # 3 x (B, L, D)
-        if cache is None:  # whole target at once: the causal mask hides later positions
-            a = self.self_attn.attend(q, k, v, None, causal=True)  # (B, L, D)
-        else:  # L new positions [start, end): write them into the cache and attend over [0, end)
-            end = start + y.size(1)
-            cache.self_k[:, start:end] = k
-            cache.self_v[:, start:end] = v
-            k, v = cache.self_k[:, :end], cache.self_v[:, :end]  # (B, end, D)
-            # position start+i sees [0, start+i]; SDPA's is_causal would align the corner wrongly here
-            mask = None if y.size(1) == 1 else cache_causal_mask(start, end, y.device)  # (L, end)
-            a = self.self_attn.attend(q, k, v, mask)  # (B, L, D)
-        y = self.res_self.output(y, a)
-
-        q = self.cross_attn.project_q(self.res_cross.input(y))  # (B, L, D)
-        if cache is None:
-            k, v = self.cross_attn.project_kv(memory)  # 2 x (B, S, D)
-            a = self.cross_attn.attend(q, k, v, src_mask)  # (B, L, D)
-        else:  # keys/values of each sentence, shared by its `beam` rows
-            a = self.cross_attn.attend_beams(q, cache.cross_k, cache.cross_v, src_mask, beam)  # (B*N, L, D)
-        y = self.res_cross.output(y, a)
-        return self.res_ff.output(y, self.feed_forward(self.res_ff.input(y)))  # (B, L, D)
-
-
 def cache_causal_mask(start: int, end: int, device: torch.device) -> Tensor:
     """(L, end) True where new position start+i may attend to position j, i.e. j <= start+i."""
     return torch.ones(end - start, end, dtype=torch.bool, device=device).tril(start)
@@ -323,10 +331,6 @@ class Memory:
 
     states: Tensor  # (B, S, D)
     src_mask: Tensor | None  # (B, 1, 1, S) True at real tokens; None when nothing is padded
-
-    def index_select(self, index: Tensor) -> Memory:
-        mask = None if self.src_mask is None else self.src_mask.index_select(0, index)
-        return Memory(self.states.index_select(0, index), mask)  # (N, S, D)
 
 
 class Transformer(nn.Module):
@@ -357,7 +361,7 @@ class Transformer(nn.Module):
             if "tokens" in name:
                 nn.init.normal_(p, mean=0.0, std=self.config.d_model**-0.5)
                 with torch.no_grad():
-                    p[self.config.pad_id].zero_()
+                    p[PAD_ID].zero_()
             elif p.dim() > 1:
                 nn.init.xavier_uniform_(p)
             elif name.endswith("bias"):
@@ -365,7 +369,7 @@ class Transformer(nn.Module):
 
     def src_mask(self, src: Tensor) -> Tensor | None:
         """(B, S) ids -> (B, 1, 1, S) True at real tokens, or None when nothing is padded."""
-        keep = src != self.config.pad_id  # (B, S)
+        keep = src != PAD_ID  # (B, S)
         if bool(keep.all()):
             return None
         # A sentence that is all padding may attend to its padding: finite numbers instead of NaN
@@ -398,26 +402,24 @@ class Transformer(nn.Module):
         cache: DecoderCache | None = None,
         where: Tensor | None = None,
     ) -> Tensor:
-        """Logits (B, L, V) for target positions; (n, V) at the n positions where `where` (B, L) is True.
+        """Logits (R, L, V) for target positions; (n, V) at the n positions where `where` (R, L) is True.
 
         Without a cache, tgt_in (B, T) is the whole shifted target (BOS first) and L = T.
-        With a cache, tgt_in (B*N, L) holds only the next L positions of each row of the cache, which
-        then holds them too; the encoder output is read from the cache (`new_cache` projected it), so
-        `memory` may be None.
+        With a cache, tgt_in (R, L) holds only the next L positions of each of its rows, which it then
+        holds too; the encoder output is read from the cache (`new_cache` projected it), so `memory` may
+        be None.
         """
         if cache is None:
             y = self.tgt_embed(tgt_in)  # (B, T, D)
             for layer in self.decoder:
                 y = layer(y, memory.states, memory.src_mask)  # (B, T, D)
         else:
-            start = cache.length
-            y = self.tgt_embed(tgt_in, start)  # (B*N, L, D)
+            y = self.tgt_embed(tgt_in, start=cache.length)  # (R, L, D)
             for layer, layer_cache in zip(self.decoder, cache.layers):
-                y = layer(y, None, cache.src_mask, layer_cache, start, cache.beam)  # (B*N, L, D)
-            cache.length = start + tgt_in.size(1)
+                y = layer(y, None, cache.src_mask, layer_cache)  # (R, L, D)
         if where is not None:  # only the positions that are asked for reach the vocabulary projection
             y = y[where]  # (n, D)
-        return self.generator(self.decoder_norm(y))  # (B, L, V) or (n, V)
+        return self.generator(self.decoder_norm(y))  # (R, L, V) or (n, V)
 
     def forward(self, src: Tensor, tgt_in: Tensor, where: Tensor | None = None) -> Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, V). Softmax and loss live in train.py.
@@ -427,26 +429,41 @@ class Transformer(nn.Module):
         """
         return self.decode(tgt_in, self.encode(src), where=where)
 
-    @torch.no_grad()
-    def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
-        """Attention weights of every layer: {"encoder", "decoder", "cross"} -> n_layers x (B, H, L, M)."""
-        groups = {
-            "encoder": [layer.self_attn for layer in self.encoder],
-            "decoder": [layer.self_attn for layer in self.decoder],
-            "cross": [layer.cross_attn for layer in self.decoder],
-        }
-        maps: dict[str, list[Tensor]] = {name: [] for name in groups}
-        for name, modules in groups.items():
-            for module in modules:
-                module.recorded = maps[name]
-        try:
-            self(src, tgt_in)
-        finally:
-            for modules in groups.values():
-                for module in modules:
-                    module.recorded = None
-        return maps
-
     def num_parameters(self) -> int:
         """Distinct parameters (a shared matrix counts once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+# --- Attention maps, for pictures (training and search never come here) ---------------------------
+
+
+class RecordedAttention(ScaledDotProductAttention):
+    """The same attention written out, keeping the weights of every call."""
+
+    def __init__(self, record: list[Tensor]):
+        super().__init__(dropout=0.0)
+        self.record = record
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        weights = attention_weights(q, k, mask, causal)  # (B, H, L, M)
+        self.record.append(weights)
+        return weights.to(v.dtype) @ v  # (B, H, L, D/H)
+
+
+@torch.no_grad()
+def attention_maps(model: Transformer, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
+    """Attention weights of every layer: {"encoder", "decoder", "cross"} -> n_layers x (B, H, L, M).
+
+    A twin of the model (the same parameters, modules of its own) whose attention keeps its weights
+    runs the forward pass; the model itself is not changed, so other callers may use it meanwhile.
+    """
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    twin = copy.deepcopy(model, memo=shared).eval()
+    maps: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
+    for layer in twin.encoder:
+        layer.self_attn.attention = RecordedAttention(maps["encoder"])
+    for layer in twin.decoder:
+        layer.self_attn.attention = RecordedAttention(maps["decoder"])
+        layer.cross_attn.attention = RecordedAttention(maps["cross"])
+    twin(src, tgt_in)
+    return maps

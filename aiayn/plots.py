@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -11,12 +12,16 @@ matplotlib.use("Agg")  # files only, no screen
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from aiayn.config import SearchConfig  # noqa: E402
+from aiayn.files import atomic_write  # noqa: E402
+from aiayn.model import attention_maps  # noqa: E402
+from aiayn.tokenizer import BOS_ID, SPECIAL_TOKENS, UNK_ID  # noqa: E402
 from aiayn.translate import Translator  # noqa: E402
 
 
 def plot_curves(metrics: str | Path, out: str | Path) -> Path:
     """Training loss against updates and validation BLEU against minutes, from metrics.jsonl."""
-    records = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+    records = read_metrics(Path(metrics))
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "valid_bleu" in r]
     fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(11, 4))
@@ -31,14 +36,39 @@ def plot_curves(metrics: str | Path, out: str | Path) -> Path:
     ax_bleu.grid(alpha=0.3)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(out), dpi=110)
     return Path(out)
 
 
-def token_labels(decode: callable, ids: list[int]) -> list[str]:
-    """One readable label per id (its text piece; specials by name)."""
-    names = {0: "<pad>", 1: "<s>", 2: "</s>"}
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a damaged line is a ValueError naming it, except a last line that
+    a killed run left half written."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON record: {line[:80]!r}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object: {line[:80]!r}")
+        records.append(record)
+    return records
+
+
+def save_figure(fig: plt.Figure, path: Path, dpi: int) -> None:
+    """A PNG written whole or not at all, then the figure closed."""
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def token_labels(decode: Callable[[list[list[int]]], list[str]], ids: list[int]) -> list[str]:
+    """One readable label per id (its text piece; specials other than unk by name)."""
+    names = {i: token for i, token in SPECIAL_TOKENS.items() if i != UNK_ID}
     return [names.get(i) or decode([[i]])[0].replace(" ", "▁") or "·" for i in ids]
 
 
@@ -52,10 +82,12 @@ def plot_attention(translator: Translator, source: str, out_dir: str | Path, lay
     out_dir.mkdir(parents=True, exist_ok=True)
     tok, model = translator.tokenizer, translator.model
     src_ids = tok.encode_src([source])[0]
-    hyp = translator.translate_ids([src_ids], translator.search_config.__class__(beam_size=1))[0][0].tokens
-    tgt_in = [model.config.bos_id] + hyp
+    hyp = translator.translate_ids([src_ids], SearchConfig(beam_size=1))[0][0].tokens
+    tgt_in = [BOS_ID] + hyp
     device = translator.device
-    maps = model.attention_maps(torch.tensor([src_ids], device=device), torch.tensor([tgt_in], device=device))
+    maps = attention_maps(
+        model, torch.tensor([src_ids], device=device), torch.tensor([tgt_in], device=device)
+    )
     src_labels = token_labels(tok.decode_src, src_ids)
     tgt_labels = token_labels(tok.decode_tgt, tgt_in)
     panels = {
@@ -83,7 +115,6 @@ def plot_attention(translator: Translator, source: str, out_dir: str | Path, lay
         fig.suptitle(f"{title}, layer {layer % n_layers + 1} of {n_layers} (rows attend to columns)")
         fig.tight_layout()
         path = out_dir / f"attention_{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        save_figure(fig, path, dpi=100)
         paths.append(path)
     return paths

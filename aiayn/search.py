@@ -4,7 +4,8 @@ Shapes: B sentences still being searched (finished ones are dropped), S source l
 T target tokens so far, N beam, K = 2N candidates per sentence, V vocabulary.
 
 The contract, the same for greedy and beam search:
-- src (B, S) is padded with the model's pad id; results come back in input order.
+- src (B, S) is padded with the pad id (tokenizer.py); output starts from BOS and ends at EOS;
+  results come back in input order.
 - Each sentence may produce at most floor(a * its non-pad source length + b) tokens, EOS included
   (SearchConfig.max_len_a/max_len_b; §6.1 "input length + 50"). A hypothesis that reaches that
   length without EOS is finished there.
@@ -22,14 +23,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from aiayn.config import ModelConfig, SearchConfig
+from aiayn.config import SearchConfig
 from aiayn.model import DecoderCache, Memory
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
 class Seq2Seq(Protocol):
     """The narrow model interface search uses: `Transformer` has it; the tests script a toy one."""
-
-    config: ModelConfig
 
     def encode(self, src: Tensor) -> Memory: ...
 
@@ -62,9 +62,9 @@ def length_penalty(length: int | Tensor, alpha: float, kind: str = "gnmt") -> fl
     raise ValueError(f"unknown length penalty {kind!r}; choose 'gnmt' or 'average'")
 
 
-def max_lengths(src: Tensor, config: SearchConfig, pad_id: int) -> Tensor:
+def max_lengths(src: Tensor, config: SearchConfig) -> Tensor:
     """(B,) most output tokens per sentence, EOS included: floor(a * source length + b) (§6.1)."""
-    src_len = (src != pad_id).sum(dim=1).tolist()  # in Python floats: exact for any a and b
+    src_len = (src != PAD_ID).sum(dim=1).tolist()  # in Python floats: exact for any a and b
     limit = [math.floor(config.max_len_a * n + config.max_len_b) for n in src_len]
     return torch.tensor(limit, dtype=torch.long, device=src.device)  # (B,)
 
@@ -89,21 +89,15 @@ def _limits(max_len: Tensor | int, src: Tensor) -> Tensor:
 
 
 @torch.inference_mode()
-def greedy_search(
-    model: Seq2Seq, src: Tensor, *, max_len: Tensor | int, no_eos: bool = False
-) -> list[list[int]]:
+def greedy_search(model: Seq2Seq, src: Tensor, *, max_len: Tensor | int) -> list[list[int]]:
     """The most probable next token at every step; tokens without BOS and EOS, in input order.
 
     max_len: an int for every sentence or a (B,) tensor (`max_lengths` computes the §6.1 one).
-    no_eos: never choose EOS, so every output has exactly max_len tokens (for speed benchmarks).
     """
-    return [h.tokens for h in _greedy(model, src, _limits(max_len, src), no_eos, 0.0, "gnmt")]
+    return [h.tokens for h in _greedy(model, src, _limits(max_len, src), 0.0, "gnmt")]
 
 
-def _greedy(
-    model: Seq2Seq, src: Tensor, limit: Tensor, no_eos: bool, alpha: float, kind: str
-) -> list[Hypothesis]:
-    pad, bos, eos = model.config.pad_id, model.config.bos_id, model.config.eos_id
+def _greedy(model: Seq2Seq, src: Tensor, limit: Tensor, alpha: float, kind: str) -> list[Hypothesis]:
     B = src.size(0)
     if B == 0:
         return []
@@ -111,19 +105,17 @@ def _greedy(
     memory = model.encode(src)  # states (B, S, D)
     cache = model.new_cache(memory, T)  # T decoder positions: BOS and the first T-1 outputs
     rows = torch.arange(B, device=src.device)  # (B,) input position of each live sentence
-    out = src.new_full((B, T), pad)  # (B, T) all sentences, live or done
+    out = src.new_full((B, T), PAD_ID)  # (B, T) all sentences, live or done
     log_prob = torch.zeros(B, device=src.device)  # (B,) float32
     length = limit.clone()  # (B,) tokens produced, EOS included; set when a sentence stops
-    last = src.new_full((B, 1), bos)  # (B, 1)
+    last = src.new_full((B, 1), BOS_ID)  # (B, 1)
     for t in range(T):
         logits = model.decode(last, None, cache)[:, -1]  # (B, V); the cache holds what it needs of memory
         lprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
-        if no_eos:
-            lprobs[:, eos] = -math.inf
         best, token = lprobs.max(dim=-1)  # (B,), (B,)
         out[rows, t] = token
         log_prob[rows] += best
-        done = (token == eos) | (limit[rows] <= t + 1)  # (B,)
+        done = (token == EOS_ID) | (limit[rows] <= t + 1)  # (B,)
         if bool(done.any()):
             length[rows[done]] = t + 1
             keep = (~done).nonzero().squeeze(1)  # (B',)
@@ -136,7 +128,7 @@ def _greedy(
     score = (log_prob / penalty).tolist()
     results = []
     for tokens, n, lp, s in zip(out.tolist(), length.tolist(), log_prob.tolist(), score):
-        tokens = tokens[: n - 1] if tokens[n - 1] == eos else tokens[:n]
+        tokens = tokens[: n - 1] if tokens[n - 1] == EOS_ID else tokens[:n]
         results.append(Hypothesis(tokens, s, lp))
     return results
 
@@ -172,7 +164,6 @@ def beam_search(
     config: SearchConfig,
     *,
     max_len: Tensor | int | None = None,
-    no_eos: bool = False,
 ) -> list[list[Hypothesis]]:
     """config.n_best hypotheses per sentence, best first, in input order (§6.1: beam 4, alpha 0.6).
 
@@ -187,12 +178,11 @@ def beam_search(
     for the result (stopping later would return the same n_best), unlike stopping at N finished.
 
     max_len: override the SearchConfig lengths (an int or a (B,) tensor).
-    no_eos: never choose EOS, so every output has exactly max_len tokens (for speed benchmarks).
     """
     if max_len is None:
-        max_len = max_lengths(src, config, model.config.pad_id)
+        max_len = max_lengths(src, config)
     limit = _limits(max_len, src)  # (B,)
-    eos, bos = model.config.eos_id, model.config.bos_id
+    eos, bos = EOS_ID, BOS_ID
     N, K, n_best = config.beam_size, 2 * config.beam_size, config.n_best
     alpha, kind = config.alpha, config.length_penalty
     B, device = src.size(0), src.device
@@ -219,8 +209,6 @@ def beam_search(
         B = state.rows.numel()
         logits = model.decode(last, None, cache)[:, -1]  # (B*N, V); the cache holds what it needs of memory
         candidates = torch.log_softmax(logits.float(), dim=-1)  # (B*N, V)
-        if no_eos:
-            candidates[:, eos] = -math.inf
         V = candidates.size(-1)
         candidates = candidates.add_(state.scores.view(-1, 1)).view(B, N * V)  # (B, N*V), in place
         top, flat = candidates.topk(K, dim=1)  # (B, K), best first
@@ -295,14 +283,13 @@ def search(
     config: SearchConfig,
     *,
     max_len: Tensor | int | None = None,
-    no_eos: bool = False,
 ) -> list[list[Hypothesis]]:
     """Beam search, or greedy search when beam_size is 1, scored with the same length penalty."""
     if config.beam_size > 1:
-        return beam_search(model, src, config, max_len=max_len, no_eos=no_eos)
+        return beam_search(model, src, config, max_len=max_len)
     if max_len is None:
-        max_len = max_lengths(src, config, model.config.pad_id)
-    hyps = _greedy(model, src, _limits(max_len, src), no_eos, config.alpha, config.length_penalty)
+        max_len = max_lengths(src, config)
+    hyps = _greedy(model, src, _limits(max_len, src), config.alpha, config.length_penalty)
     return [[h] for h in hyps]
 
 

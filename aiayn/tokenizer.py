@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import os
+import json
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
@@ -13,10 +12,12 @@ from typing import Literal
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from aiayn.files import write_text
 
-# The same strings and ids in every vocabulary this project trains; the trainers give special tokens the
-# first ids in list order, and _check_specials makes sure of it after training and after loading.
+# The special tokens: the same strings and ids in every vocabulary this project trains, and the one
+# source of these ids for the model, search and batching. The trainers give special tokens the first ids
+# in list order, and _check_specials makes sure of it after training and after loading.
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", UNK_ID: "<unk>"}
 JOINT_FILE = "tokenizer.json"
 SRC_FILE = "tokenizer.src.json"
@@ -53,17 +54,7 @@ class Tokenizer:
         min_frequency: int = 2,
     ) -> Tokenizer:
         """Learn one vocabulary from source + target text (joint, §5.1) or one per side."""
-        if kind not in ("bpe", "word"):
-            raise ValueError(f"kind must be 'bpe' or 'word', got {kind!r}")
-        smallest = len(SPECIAL_TOKENS) + (_N_BYTES if kind == "bpe" else 1)
-        if vocab_size < smallest:
-            what = f"{_N_BYTES} byte symbols" if kind == "bpe" else "one word"
-            raise ValueError(
-                f"vocab_size={vocab_size} is too small for kind={kind!r}: it must hold the "
-                f"{len(SPECIAL_TOKENS)} special tokens and {what}, at least {smallest}"
-            )
-        if min_frequency < 1:
-            raise ValueError(f"min_frequency must be at least 1, got {min_frequency}")
+        cls.check_options(vocab_size, kind, min_frequency)
         for name, texts in (("src_texts", src_texts), ("tgt_texts", tgt_texts)):
             if isinstance(texts, str):
                 raise TypeError(f"{name} must be a list of strings, got one string")
@@ -82,19 +73,39 @@ class Tokenizer:
         tgt = _train(tgt_texts, len(tgt_texts), kind=kind, vocab_size=vocab_size, min_frequency=min_frequency)
         return cls(src, tgt, joint=False)
 
+    @staticmethod
+    def check_options(vocab_size: int, kind: str, min_frequency: int = 2) -> None:
+        """Refuse options that cannot make a vocabulary (before any text is read)."""
+        if kind not in ("bpe", "word"):
+            raise ValueError(f"kind must be 'bpe' or 'word', got {kind!r}")
+        smallest = len(SPECIAL_TOKENS) + (_N_BYTES if kind == "bpe" else 1)
+        if vocab_size < smallest:
+            what = f"{_N_BYTES} byte symbols" if kind == "bpe" else "one word"
+            raise ValueError(
+                f"vocab_size={vocab_size} is too small for kind={kind!r}: it must hold the "
+                f"{len(SPECIAL_TOKENS)} special tokens and {what}, at least {smallest}"
+            )
+        if min_frequency < 1:
+            raise ValueError(f"min_frequency must be at least 1, got {min_frequency}")
+
+    def files(self) -> dict[str, str]:
+        """{file name: contents}: tokenizer.json (joint) or tokenizer.src.json + tokenizer.tgt.json."""
+        if self.joint:
+            return {JOINT_FILE: self._src.to_str()}
+        return {SRC_FILE: self._src.to_str(), TGT_FILE: self._tgt.to_str()}
+
     def save(self, directory: str | Path) -> None:
-        """Write tokenizer.json (joint) or tokenizer.src.json + tokenizer.tgt.json, each atomically."""
+        """Write files(), each atomically, and remove the other layout's files."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if self.joint:
-            _write_atomic(directory / JOINT_FILE, self._src.to_str())
-            stale = (SRC_FILE, TGT_FILE)
-        else:
-            _write_atomic(directory / SRC_FILE, self._src.to_str())
-            _write_atomic(directory / TGT_FILE, self._tgt.to_str())
-            stale = (JOINT_FILE,)
-        for name in stale:  # a directory saved over with the other layout must not hold both
+        for name, text in self.files().items():
+            write_text(directory / name, text)
+        for name in self.stale_files():  # a directory saved over with the other layout must not hold both
             (directory / name).unlink(missing_ok=True)
+
+    def stale_files(self) -> tuple[str, ...]:
+        """The other layout's file names, which a directory holding this tokenizer must not keep."""
+        return (SRC_FILE, TGT_FILE) if self.joint else (JOINT_FILE,)
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
@@ -231,24 +242,18 @@ def _tokens(tok: HFTokenizer) -> list[str]:
 
 
 def _read(path: Path) -> HFTokenizer:
-    raw = path.read_bytes()
+    """A tokenizer file, checked before the library parses it: the library reports every problem with a
+    bare Exception, which cannot be told apart from a bug, so what it would refuse is refused here first."""
     try:
-        tok = HFTokenizer.from_str(raw.decode("utf-8"))
-    except Exception as e:  # the library raises a bare Exception for any malformed file
-        raise ValueError(f"{path} is not a valid tokenizer file: {e}") from e
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a valid tokenizer file: not UTF-8 JSON ({e})") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    kind = model.get("type") if isinstance(model, dict) else None
+    if kind not in ("BPE", "WordLevel") or not isinstance(model.get("vocab"), dict):
+        raise ValueError(f"{path} is not a valid tokenizer file: no BPE or WordLevel model with a vocabulary")
+    if kind == "BPE" and not isinstance(model.get("merges"), list):
+        raise ValueError(f"{path} is not a valid tokenizer file: a BPE model without its merges")
+    tok = HFTokenizer.from_str(json.dumps(data))
     _check_specials(tok, str(path))
     return tok
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a vocabulary is not a secret
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

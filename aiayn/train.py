@@ -1,35 +1,36 @@
-"""Training: label-smoothed loss (§5.4), the warmup schedule (§5.3) and the explicit training loop."""
+"""Training: label-smoothed loss (§5.4), the warmup schedule (§5.3) and the explicit training loop.
+
+What the loop writes and where (checkpoints, the best model, metrics, the clock) is the run's (run.py).
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import json
+import contextlib
 import math
-import shutil
 import signal
-import sys
-import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sacrebleu
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 
-from aiayn import checkpoint
-from aiayn.config import ModelConfig, SearchConfig, TrainConfig, load_json, save_json
-from aiayn.data import collate, filter_lengths, make_batches
+from aiayn.checkpoint import checkpoint_path
+from aiayn.config import ModelConfig, SearchConfig, TrainConfig
+from aiayn.data import Corpus, collate, filter_lengths, make_batches
 from aiayn.model import Transformer
-from aiayn.tokenizer import Tokenizer
-from aiayn.translate import Translator, autocast, default_device
+from aiayn.precision import autocast, default_device
+from aiayn.run import Progress, Run
+from aiayn.tokenizer import PAD_ID, Tokenizer
+from aiayn.translate import Translator
 
 # --- §5.4 Label smoothing ---------------------------------------------------------------------------
 
 
-def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> tuple[Tensor, Tensor]:
+def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     """Summed label-smoothed cross-entropy and summed NLL (detached) over non-pad targets.
 
     logits (B, T, V), target (B, T); or logits (n, V) and target (n,) of the non-pad positions alone.
@@ -40,7 +41,7 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float, pad_id: 
     V = logits.size(-1)
     lprobs = F.log_softmax(logits.reshape(-1, V).float(), dim=-1)  # (B*T, V)
     gold = target.reshape(-1)  # (B*T,)
-    keep = gold != pad_id  # (B*T,)
+    keep = gold != PAD_ID  # (B*T,)
     nll = -lprobs.gather(1, gold.unsqueeze(1)).squeeze(1)  # (B*T,)
     uniform = -lprobs.sum(dim=-1)  # (B*T,)
     loss = ((1 - epsilon) * nll + (epsilon / V) * uniform).masked_fill(~keep, 0.0).sum()
@@ -65,43 +66,165 @@ def make_optimizer(model: Transformer, config: TrainConfig) -> torch.optim.Optim
 
 # --- The training loop ------------------------------------------------------------------------------
 
+# TrainConfig fields that decide which pairs make which update: a resumed run must keep them.
+DATA_ORDER = ("max_tokens", "accumulate", "max_len", "seed")
+
+
+def train(
+    run: Run,
+    model_config: ModelConfig,
+    cfg: TrainConfig,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    device: torch.device | None = None,
+    settings: dict[str, Any] | None = None,
+) -> Result:
+    """Train into run.out until a limit, patience or a signal stops it (why: the Result).
+
+    Every stop but a crash ends validated, with OUT holding the best model by validation BLEU (the
+    latest without validation data); a signal saves a checkpoint and says which weights OUT holds.
+    settings: more that a resume must share (run.py); the model, data and languages always are.
+    """
+    device = device or default_device()
+    pairs = Pairs.of(corpus, tokenizer, cfg.max_len)
+    check_positions(model_config, cfg, tokenizer, corpus)  # before anything is written
+    torch.manual_seed(cfg.seed)
+    model = Transformer(model_config).to(device)
+    optimizer = make_optimizer(model, cfg)
+    state = run.begin(run_settings(model_config, cfg, corpus, settings), model, optimizer, tokenizer, cfg)
+    sizes = {"pairs": len(pairs.src), "too_long": pairs.too_long, "params": model.num_parameters()}
+    run.log({"event": "data", **sizes}, echo=True)
+    validation = Validation(tokenizer, corpus, cfg, device)
+    model.train()
+    try:
+        with stop_signals() as signals:
+            stop = stop_reason(state, cfg, run, signals)  # a resumed run may be done already
+            for group in update_groups(pairs.lengths(), cfg, state) if stop is None else ():
+                if group is None:  # an epoch ended: validate, unless valid_every says when
+                    if not cfg.valid_every:
+                        stop = validate_and_save(run, validation, model, optimizer, state)
+                else:
+                    lr = learning_rate(state.step + 1, model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
+                    with out_of_memory_is_a_batch_size_error(cfg, state.step + 1):
+                        loss, n_tokens = train_step(model, optimizer, pairs.tensors(group, device), lr, cfg)
+                    if not math.isfinite(loss):
+                        skip_nonfinite(run, cfg, state, loss)
+                        continue
+                    state.step += 1  # the schedule steps once per update, never per micro-batch
+                    run.update(state, loss / n_tokens, lr, n_tokens)
+                    if cfg.valid_every and state.step % cfg.valid_every == 0:
+                        stop = validate_and_save(run, validation, model, optimizer, state)
+                    stop = stop or stop_reason(state, cfg, run, signals)
+                if stop:
+                    break
+            stop = stop or Stop("max_epochs")
+        if stop.signal is not None:
+            save_on_signal(run, model, optimizer, state)
+        elif state.validated_step != state.step:  # every other stop ends on a validated model
+            validate_and_save(run, validation, model, optimizer, state, scheduled=False)
+    finally:
+        run.close()
+    validated = state.best_step <= state.validated_step
+    result = Result(stop, state.step, state.best_bleu, state.best_step, validated, run.last_checkpoint())
+    run.log(result.record())
+    return result
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why training stopped."""
+
+    reason: Literal["max_epochs", "max_updates", "max_minutes", "patience", "signal"]
+    signal: str | None = None  # "SIGINT" or "SIGTERM" when reason == "signal"
+
+
+@dataclass(frozen=True)
+class Result:
+    stop: Stop
+    step: int  # updates done
+    best_bleu: float  # -1 without validation data
+    model_step: int  # the update whose weights OUT holds as its model
+    model_validated: bool  # False: a signal stopped the run before its first validation
+    checkpoint: Path  # the last checkpoint, to resume from
+
+    def record(self) -> dict[str, Any]:
+        reason = self.stop.reason if self.stop.signal is None else f"signal {self.stop.signal}"
+        return {"event": "stop", "reason": reason, "step": self.step, "best_bleu": self.best_bleu}
+
+
+def run_settings(
+    model_config: ModelConfig, cfg: TrainConfig, corpus: Corpus, extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What a resume must share with the run it continues: model, data, languages (and `extra`)."""
+    model = {f"model.{k}": v for k, v in asdict(model_config).items()}
+    order = {f"train.{k}": getattr(cfg, k) for k in DATA_ORDER}
+    return {**corpus.fingerprint(), **model, **order, **(extra or {})}
+
 
 @dataclass
-class Progress:
-    """Where training stands; saved in every checkpoint so a resumed run continues exactly."""
+class Pairs:
+    """Tokenized training pairs with at most max_len tokens on both sides."""
 
-    step: int = 0  # updates done
-    epoch: int = 0  # current epoch (0-based)
-    batch: int = 0  # next micro-batch of this epoch
-    best_bleu: float = -1.0
-    bad_validations: int = 0  # validations since the best BLEU
-    minutes: float = 0.0  # training time before this process
+    src: list[list[int]]
+    tgt: list[list[int]]
+    too_long: int
 
+    @classmethod
+    def of(cls, corpus: Corpus, tokenizer: Tokenizer, max_len: int) -> Pairs:
+        src, tgt = tokenizer.encode_src(corpus.train_src), tokenizer.encode_tgt(corpus.train_tgt)
+        keep, too_long = filter_lengths(src, tgt, max_len)
+        if not keep:
+            raise ValueError(f"no training pair has at most max_len={max_len} tokens on both sides")
+        return cls([src[i] for i in keep], [tgt[i] for i in keep], too_long)
 
-@dataclass
-class Corpus:
-    """Tokenized training and validation text."""
+    def lengths(self) -> tuple[list[int], list[int]]:
+        return [len(x) for x in self.src], [len(x) for x in self.tgt]
 
-    src_ids: list[list[int]]
-    tgt_ids: list[list[int]]
-    valid_src: list[str]
-    valid_tgt: list[str]
-
-
-class Stop(Exception):
-    """Raised by the loop to end training; carries the reason."""
+    def tensors(self, group: list[list[int]], device: torch.device) -> list[list[Tensor]]:
+        """[src (B, S), tgt_in (B, T), tgt_out (B, T)] of each micro-batch, on the device."""
+        return [[t.to(device) for t in collate(self.src, self.tgt, batch)] for batch in group]
 
 
-def rng_state() -> dict[str, Any]:
-    """The random state training consumes (dropout); data order comes from (seed, epoch) alone."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return {"torch": torch.get_rng_state(), "cuda": cuda}
+def update_groups(
+    lengths: tuple[list[int], list[int]], cfg: TrainConfig, state: Progress
+) -> Iterator[list[list[int]] | None]:
+    """The micro-batches of each update from where `state` stands, epoch after epoch up to max_epochs,
+    and None at the end of each epoch; state.epoch and state.batch follow what has been given out."""
+    while not cfg.max_epochs or state.epoch < cfg.max_epochs:
+        batches = make_batches(*lengths, cfg.max_tokens, seed=cfg.seed, epoch=state.epoch)
+        while state.batch < len(batches):
+            group = batches[state.batch : state.batch + cfg.accumulate]
+            state.batch += len(group)
+            yield group
+        state.epoch, state.batch = state.epoch + 1, 0
+        yield None
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+def stop_reason(state: Progress, cfg: TrainConfig, run: Run, signals: list[str]) -> Stop | None:
+    """Whether to stop after the update just done: a signal, or a limit reached."""
+    if signals:
+        return Stop("signal", signals[0])
+    if cfg.max_updates and state.step >= cfg.max_updates:
+        return Stop("max_updates")
+    if cfg.max_minutes and run.minutes() >= cfg.max_minutes:
+        return Stop("max_minutes")
+    return None
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[list[str]]:
+    """Ctrl-C (SIGINT) and SIGTERM are noted, not raised: the update in progress finishes first."""
+    caught: list[str] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        caught.append(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield caught
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def train_step(
@@ -117,14 +240,13 @@ def train_step(
     whole update, so k micro-batches give exactly the gradient of one k-times-larger batch.
     When the loss is not finite no step is taken and the gradients are dropped.
     """
-    pad = model.config.pad_id
-    n_tokens = sum(int((tgt_out != pad).sum()) for _, _, tgt_out in micro_batches)
+    n_tokens = sum(int((tgt_out != PAD_ID).sum()) for _, _, tgt_out in micro_batches)
     loss_total = torch.zeros(())
     for src, tgt_in, tgt_out in micro_batches:
         with autocast(src.device, cfg.dtype):
-            real = tgt_out != pad  # (B, T)
+            real = tgt_out != PAD_ID  # (B, T)
             logits = model(src, tgt_in, where=real)  # (n, V): no vocabulary work on padding
-        loss, _ = label_smoothed_loss(logits, tgt_out[real], cfg.label_smoothing, pad)
+        loss, _ = label_smoothed_loss(logits, tgt_out[real], cfg.label_smoothing)
         (loss / n_tokens).backward()
         loss_total += loss.detach().cpu()
     if torch.isfinite(loss_total):
@@ -137,6 +259,20 @@ def train_step(
     return loss_total.item(), n_tokens
 
 
+@contextlib.contextmanager
+def out_of_memory_is_a_batch_size_error(cfg: TrainConfig, update: int) -> Iterator[None]:
+    """Running out of memory is a batch too large for this machine: say which flags to change."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        raise ValueError(
+            f"update {update}: out of memory on a batch of up to {cfg.max_tokens} tokens; lower --max-tokens "
+            f"(e.g. {cfg.max_tokens // 2}) and keep the batch size with --set accumulate={2 * cfg.accumulate}"
+        ) from None
+
+
 def is_out_of_memory(error: Exception) -> bool:
     """CUDA raises OutOfMemoryError; the CPU allocator raises a RuntimeError that says so."""
     text = str(error)
@@ -147,205 +283,104 @@ def is_out_of_memory(error: Exception) -> bool:
     )
 
 
-def validate(
+def skip_nonfinite(run: Run, cfg: TrainConfig, state: Progress, loss: float) -> None:
+    """A non-finite loss stops training unless skip_nonfinite asks to skip such batches."""
+    if not cfg.skip_nonfinite:
+        raise ValueError(
+            f"update {state.step + 1}: the loss is {loss} (not finite); the last good checkpoint is kept "
+            f"in {run.out / 'checkpoints'}. Lower lr_scale, or use --set skip_nonfinite=true to skip such batches"
+        )
+    run.log({"event": "skip_nonfinite", "update": state.step + 1}, echo=True)
+
+
+# --- Validation -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Validation:
+    """Validation loss, perplexity and BLEU (sacreBLEU, detokenized, 13a) of a model being trained."""
+
+    tokenizer: Tokenizer
+    corpus: Corpus
+    cfg: TrainConfig
+    device: torch.device
+
+    @torch.no_grad()
+    def __call__(self, model: Transformer) -> dict[str, Any]:
+        """{} without validation data."""
+        src_text, tgt_text = self.corpus.valid_src, self.corpus.valid_tgt
+        if not src_text:
+            return {}
+        model.eval()
+        src_ids, tgt_ids = self.tokenizer.encode_src(src_text), self.tokenizer.encode_tgt(tgt_text)
+        keep, _ = filter_lengths(src_ids, tgt_ids, self.cfg.max_len)
+        src_ids, tgt_ids = [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
+        loss_sum = nll_sum = tokens = 0.0
+        lengths = [len(x) for x in src_ids], [len(x) for x in tgt_ids]
+        with autocast(self.device, self.cfg.dtype):
+            for batch in make_batches(*lengths, self.cfg.max_tokens, seed=0, epoch=0):
+                src, tgt_in, tgt_out = (t.to(self.device) for t in collate(src_ids, tgt_ids, batch))
+                real = tgt_out != PAD_ID  # (B, T)
+                loss, nll = label_smoothed_loss(
+                    model(src, tgt_in, real), tgt_out[real], self.cfg.label_smoothing
+                )
+                loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
+                tokens += real.sum().item()
+        search = SearchConfig(beam_size=self.cfg.valid_beam_size)
+        hyps = Translator(model, self.tokenizer, search, self.cfg.dtype).translate(src_text)
+        bleu = sacrebleu.corpus_bleu(hyps, [tgt_text])
+        model.train()
+        return {
+            "valid_loss": loss_sum / max(tokens, 1),
+            "valid_ppl": math.exp(min(nll_sum / max(tokens, 1), 50)),
+            "valid_bleu": bleu.score,
+            "examples": list(zip(src_text[:3], tgt_text[:3], hyps[:3])),
+        }
+
+
+def validate_and_save(
+    run: Run,
+    validation: Validation,
     model: Transformer,
-    tokenizer: Tokenizer,
-    corpus: Corpus,
-    config: TrainConfig,
-    device: torch.device,
-) -> dict[str, Any]:
-    """Validation loss, perplexity and BLEU (sacreBLEU, detokenized, 13a)."""
-    model.eval()
-    pad = model.config.pad_id
-    src_ids, tgt_ids = tokenizer.encode_src(corpus.valid_src), tokenizer.encode_tgt(corpus.valid_tgt)
-    keep, _ = filter_lengths(src_ids, tgt_ids, config.max_len)
-    loss_sum = nll_sum = tokens = 0.0
-    lens = [len(src_ids[i]) for i in keep], [len(tgt_ids[i]) for i in keep]
-    with torch.no_grad(), autocast(device, config.dtype):
-        for batch in make_batches(*lens, config.max_tokens, seed=0, epoch=0):
-            src, tgt_in, tgt_out = (
-                t.to(device)
-                for t in collate(src_ids, tgt_ids, [keep[i] for i in batch], pad, model.config.bos_id)
-            )
-            real = tgt_out != pad  # (B, T)
-            loss, nll = label_smoothed_loss(
-                model(src, tgt_in, real), tgt_out[real], config.label_smoothing, pad
-            )
-            loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
-            tokens += real.sum().item()
-    translator = Translator(model, tokenizer, SearchConfig(beam_size=config.valid_beam_size), config.dtype)
-    hyps = translator.translate(corpus.valid_src)
-    bleu = sacrebleu.corpus_bleu(hyps, [corpus.valid_tgt])
-    model.train()
-    return {
-        "valid_loss": loss_sum / max(tokens, 1),
-        "valid_ppl": math.exp(min(nll_sum / max(tokens, 1), 50)),
-        "valid_bleu": bleu.score,
-        "examples": list(zip(corpus.valid_src[:3], corpus.valid_tgt[:3], hyps[:3])),
-    }
+    optimizer: torch.optim.Optimizer,
+    state: Progress,
+    scheduled: bool = True,
+) -> Stop | None:
+    """Validate, keep the best model in OUT, save a checkpoint; Stop when patience has run out.
 
-
-def train(
-    out: str | Path,
-    model_config: ModelConfig,
-    train_config: TrainConfig,
-    tokenizer: Tokenizer,
-    corpus: Corpus,
-    resume: bool = False,
-    device: torch.device | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Train into OUT (a model directory plus checkpoints/); returns the final metrics.
-
-    The model directory OUT always holds a loadable model: the best by validation BLEU so far.
+    scheduled=False: the validation a run ends with when it stops between validations; it may give OUT a
+    better model but does not count for patience, so a run stopped and resumed stops when one run would.
     """
-    check_positions(model_config, train_config, tokenizer, corpus)  # before anything is written
-    out, device = Path(out), device or default_device()
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = train_config
-    torch.manual_seed(cfg.seed)
-    model = Transformer(model_config).to(device)
-    optimizer = make_optimizer(model, cfg)
-    state = Progress()
-    if resume and checkpoint.list_checkpoints(out):
-        last = checkpoint.list_checkpoints(out)[-1]
-        saved = checkpoint.load_state(last)
-        checkpoint.load_weights(model, last / checkpoint.WEIGHTS)
-        optimizer.load_state_dict(saved["optimizer"])
-        state = Progress(**saved["progress"])
-        set_rng_state(saved["rng"])
-        log(out, {"event": "resume", "checkpoint": str(last), **asdict(state)}, progress)
-    else:
-        # Starting over in a directory that held a run (`--force`): its checkpoints would be pruned
-        # together with this run's and a later --resume could pick one up, its metrics would mix with
-        # these, and its config and tokenizer would not fit this model.
-        if (out / checkpoint.CHECKPOINTS).exists():
-            shutil.rmtree(out / checkpoint.CHECKPOINTS)
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-        checkpoint.save_model(out, model, tokenizer)  # OUT is loadable from the start
-    checkpoint.atomic_write(out / checkpoint.TRAIN_CONFIG, lambda p: save_json(cfg, p))
+    metrics = validation(model)
+    examples = metrics.pop("examples", [])
+    run.log({"step": state.step, "epoch": state.epoch, "minutes": run.minutes(), **metrics})
+    if metrics:
+        run.say(
+            f"step {state.step}  epoch {state.epoch}  valid loss {metrics['valid_loss']:.3f}  "
+            f"ppl {metrics['valid_ppl']:.2f}  BLEU {metrics['valid_bleu']:.2f}"
+        )
+        for source, target, predicted in examples:
+            run.say(f"  SOURCE    {source}\n  TARGET    {target}\n  PREDICTED {predicted}")
+    state.validated_step = state.step
+    if not metrics or metrics["valid_bleu"] > state.best_bleu:  # without validation data: the latest
+        state.best_bleu = metrics.get("valid_bleu", state.best_bleu)
+        state.bad_validations, state.best_step = 0, state.step
+        run.save_model(model)
+    elif scheduled:
+        state.bad_validations += 1
+    run.save_checkpoint(model, optimizer, state)
+    if run.train_config.patience and state.bad_validations >= run.train_config.patience:
+        return Stop("patience")
+    return None
 
-    keep, too_long = filter_lengths(corpus.src_ids, corpus.tgt_ids, cfg.max_len)
-    if not keep:
-        raise ValueError(f"no training pair has at most max_len={cfg.max_len} tokens on both sides")
-    src_ids = [corpus.src_ids[i] for i in keep]
-    tgt_ids = [corpus.tgt_ids[i] for i in keep]
-    src_lens, tgt_lens = [len(x) for x in src_ids], [len(x) for x in tgt_ids]
-    log(
-        out,
-        {"event": "data", "pairs": len(keep), "too_long": too_long, "params": model.num_parameters()},
-        progress,
-    )
 
-    stop_signal: list[str] = []
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop_signal.append(signal.Signals(signum).name)
-
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    open_tensorboard(out)
-    start = time.monotonic()
-    model.train()
-    bar = tqdm(
-        desc="train",
-        unit="upd",
-        disable=not progress,
-        dynamic_ncols=True,
-        mininterval=1 if sys.stderr.isatty() else 30,
-    )
-    tokens_seen, tick = 0, time.monotonic()
-    reason = "max_epochs"
-    try:
-        # A resumed run that is already done stops before taking one more update.
-        if cfg.max_updates and state.step >= cfg.max_updates:
-            raise Stop("max_updates")
-        if cfg.max_minutes and state.minutes >= cfg.max_minutes:
-            raise Stop("max_minutes")
-        while not cfg.max_epochs or state.epoch < cfg.max_epochs:
-            batches = make_batches(src_lens, tgt_lens, cfg.max_tokens, seed=cfg.seed, epoch=state.epoch)
-            while state.batch < len(batches):
-                group = batches[state.batch : state.batch + cfg.accumulate]
-                state.batch += len(group)
-                tensors = [
-                    [
-                        t.to(device)
-                        for t in collate(src_ids, tgt_ids, b, model_config.pad_id, model_config.bos_id)
-                    ]
-                    for b in group
-                ]
-                lr = learning_rate(state.step + 1, model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
-                try:
-                    loss_total, n_tokens = train_step(model, optimizer, tensors, lr, cfg)
-                except (torch.OutOfMemoryError, RuntimeError) as e:
-                    if not is_out_of_memory(e):
-                        raise
-                    raise ValueError(
-                        f"update {state.step + 1}: out of memory on a batch of up to {cfg.max_tokens} tokens; "
-                        f"lower --max-tokens (e.g. {cfg.max_tokens // 2}) and keep the batch size with "
-                        f"--set accumulate={2 * cfg.accumulate}"
-                    ) from None
-                if not math.isfinite(loss_total):
-                    if cfg.skip_nonfinite:
-                        log(out, {"event": "skip_nonfinite", "update": state.step + 1}, progress)
-                        continue
-                    raise ValueError(
-                        f"update {state.step + 1}: the loss is {loss_total} (not finite); the last good "
-                        f"checkpoint is kept in {out / checkpoint.CHECKPOINTS}. Lower lr_scale, or use "
-                        "--set skip_nonfinite=true to skip such batches"
-                    )
-                state.step += 1  # the schedule steps once per update, never per micro-batch
-
-                tokens_seen += n_tokens
-                minutes = state.minutes + (time.monotonic() - start) / 60
-                bar.update(1)
-                if state.step % 10 == 0:
-                    rate = tokens_seen / max(time.monotonic() - tick, 1e-9)
-                    bar.set_postfix(
-                        epoch=state.epoch + 1,
-                        loss=f"{loss_total / n_tokens:.3f}",
-                        lr=f"{lr:.2e}",
-                        tok_s=f"{rate:.0f}",
-                        refresh=False,
-                    )
-                    log_metrics(
-                        out,
-                        {
-                            "step": state.step,
-                            "epoch": state.epoch,
-                            "loss": loss_total / n_tokens,
-                            "lr": lr,
-                            "tokens_per_s": rate,
-                            "minutes": minutes,
-                        },
-                    )
-                    tokens_seen, tick = 0, time.monotonic()
-
-                if cfg.valid_every and state.step % cfg.valid_every == 0:
-                    end_validation(out, model, tokenizer, corpus, cfg, device, state, optimizer, start, bar)
-                if stop_signal:
-                    raise Stop(f"signal {stop_signal[0]}")
-                if cfg.max_updates and state.step >= cfg.max_updates:
-                    raise Stop("max_updates")
-                if cfg.max_minutes and minutes >= cfg.max_minutes:
-                    raise Stop("max_minutes")
-            state.epoch, state.batch = state.epoch + 1, 0
-            if not cfg.valid_every:
-                end_validation(out, model, tokenizer, corpus, cfg, device, state, optimizer, start, bar)
-    except Stop as stop:
-        reason = str(stop)
-    finally:
-        bar.close()
-        close_tensorboard(out)
-        for s, handler in old_handlers.items():
-            signal.signal(s, handler)
-    last = checkpoint.list_checkpoints(out)
-    if not last or not last[-1].name.endswith(f"{state.step:08d}"):
-        save(out, model, tokenizer, cfg, state, optimizer, start)
-    if not corpus.valid_src:  # nothing to choose the best by: OUT holds the latest weights
-        checkpoint.save_weights(model, out / checkpoint.WEIGHTS)
-    result = {"event": "stop", "reason": reason, "step": state.step, "best_bleu": state.best_bleu}
-    log(out, result, progress)
-    return result
+def save_on_signal(run: Run, model: Transformer, optimizer: torch.optim.Optimizer, state: Progress) -> None:
+    """Stopped by a signal: a checkpoint of this update, and a model in OUT even before any validation."""
+    if state.best_step < 0:  # no validation yet: OUT gets these weights rather than none
+        run.save_model(model)
+        state.best_step = state.step
+    if state.validated_step != state.step or not checkpoint_path(run.out, state.step).is_dir():
+        run.save_checkpoint(model, optimizer, state)  # (else it was saved a moment ago)
 
 
 def check_positions(
@@ -370,93 +405,3 @@ def check_positions(
             f"max_positions={limit} of the learned positions ({len(too_long)} such lines); "
             "drop them from the validation data or raise max_positions"
         )
-
-
-def end_validation(
-    out: Path,
-    model: Transformer,
-    tokenizer: Tokenizer,
-    corpus: Corpus,
-    cfg: TrainConfig,
-    device: torch.device,
-    state: Progress,
-    optimizer: torch.optim.Optimizer,
-    start: float,
-    bar: tqdm,
-) -> None:
-    """Validate, save a checkpoint, keep the best model in OUT; raise Stop when patience runs out."""
-    metrics = validate(model, tokenizer, corpus, cfg, device) if corpus.valid_src else {}
-    examples = metrics.pop("examples", [])
-    minutes = state.minutes + (time.monotonic() - start) / 60
-    log_metrics(out, {"step": state.step, "epoch": state.epoch, "minutes": minutes, **metrics})
-    if metrics:
-        lines = [
-            f"step {state.step}  epoch {state.epoch}  valid loss {metrics['valid_loss']:.3f}  "
-            f"ppl {metrics['valid_ppl']:.2f}  BLEU {metrics['valid_bleu']:.2f}"
-        ]
-        for source, target, predicted in examples:
-            lines += [f"  SOURCE    {source}", f"  TARGET    {target}", f"  PREDICTED {predicted}"]
-        if not bar.disable:
-            bar.write("\n".join(lines))
-    improved = not metrics or metrics["valid_bleu"] > state.best_bleu
-    if improved:
-        state.best_bleu = metrics.get("valid_bleu", state.best_bleu)
-        state.bad_validations = 0
-        checkpoint.save_weights(model, out / checkpoint.WEIGHTS)  # OUT holds the best model
-    else:
-        state.bad_validations += 1
-    save(out, model, tokenizer, cfg, state, optimizer, start)
-    if cfg.patience and state.bad_validations >= cfg.patience:
-        raise Stop(f"no better BLEU in {cfg.patience} validations")
-
-
-def save(
-    out: Path,
-    model: Transformer,
-    tokenizer: Tokenizer,
-    cfg: TrainConfig,
-    state: Progress,
-    optimizer: torch.optim.Optimizer,
-    start: float,
-) -> None:
-    saved = replace(state, minutes=state.minutes + (time.monotonic() - start) / 60)
-    payload = {"optimizer": optimizer.state_dict(), "progress": asdict(saved), "rng": rng_state()}
-    checkpoint.save_checkpoint(out, state.step, model, tokenizer, cfg, payload)
-    checkpoint.prune_checkpoints(out, cfg.keep_last)
-
-
-_tensorboard: dict[Path, Any] = {}  # OUT -> SummaryWriter, open while train() runs
-
-
-def log_metrics(out: Path, record: dict[str, Any]) -> None:
-    """Append to OUT/metrics.jsonl; numbers also go to TensorBoard (OUT/tensorboard) when it is installed."""
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-    writer = _tensorboard.get(out)
-    if writer is not None and "step" in record:
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key not in ("step", "epoch"):
-                writer.add_scalar(key, value, record["step"])
-
-
-def open_tensorboard(out: Path) -> None:
-    if importlib.util.find_spec("tensorboard") is not None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        _tensorboard[out] = SummaryWriter(str(out / "tensorboard"))
-
-
-def close_tensorboard(out: Path) -> None:
-    writer = _tensorboard.pop(out, None)
-    if writer is not None:
-        writer.close()
-
-
-def log(out: Path, record: dict[str, Any], progress: bool) -> None:
-    log_metrics(out, record)
-    if progress:
-        tqdm.write(json.dumps(record))
-
-
-def load_train_config(out: str | Path) -> TrainConfig:
-    return load_json(TrainConfig, Path(out) / checkpoint.TRAIN_CONFIG)

@@ -2,80 +2,34 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from aiayn.checkpoint import load_model
 from aiayn.config import SearchConfig
 from aiayn.model import Transformer
+from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, default_device, for_inference
 from aiayn.search import Hypothesis, max_lengths, search
-from aiayn.tokenizer import Tokenizer
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> Literal["bf16", "fp32", "int8"]:
-    """ "auto" -> bf16 where it is fast: CUDA, or a CPU with AMX tiles; fp32 elsewhere.
-
-    Without AMX (e.g. a VM that hides it), CPU bf16 matmuls run on AVX-512 and were measured
-    slower than fp32 here (about 80 vs 140 GFLOP/s).
-    """
-    if dtype != "auto":
-        return dtype
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16" if torch._C._cpu._init_amx() else "fp32"
-
-
-def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast, or nothing for fp32."""
-    if resolve_dtype(dtype, device) != "bf16":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
-
-
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """A copy with every Linear layer dynamically quantised: int8 weights, activations per batch (CPU)."""
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("dtype int8 (dynamic quantisation) is for CPU translation; use bf16 on a GPU")
-    return torch.ao.quantization.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
-
-
-def transpose_weights(model: Transformer) -> Transformer:
-    """Store every Linear weight W (out, in) as the transpose of a contiguous (in, out) matrix, in place.
-
-    The same numbers in another memory layout: x W^T then streams W^T row by row, which the CPU GEMM
-    runs 1.3-2x faster at the few rows of a decoding step (4-32 measured, about even at 128; README,
-    Speed). For a model that only translates (Translator.load): training and safetensors want the usual
-    layout back.
-    The tied output projection shares the target embedding's storage, whose row lookups do not mind.
-    """
-    if next(model.parameters()).device.type == "cpu":
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, nn.Linear) and module.weight.is_contiguous():
-                    module.weight.data = module.weight.data.t().contiguous().t()  # (out, in), column-major
-    return model
+from aiayn.tokenizer import PAD_ID, Tokenizer
 
 
 class Translator:
-    """`Translator.load(dir).translate(["Ein Hund läuft."])` -> ["A dog runs."]."""
+    """`Translator.load(dir).translate(["Ein Hund läuft."])` -> ["A dog runs."].
+
+    The model is used as it is given: `Translator.load` prepares one for inference (precision.py);
+    training's validation wraps the model it trains.
+    """
 
     def __init__(
         self,
         model: Transformer,
         tokenizer: Tokenizer,
         search_config: SearchConfig | None = None,
-        dtype: Literal["auto", "fp32", "bf16", "int8"] = "fp32",
+        dtype: Dtype = DEFAULT_DTYPE,
         batch_tokens: int = 4096,
     ):
         if tokenizer.src_vocab_size != model.config.src_vocab_size or (
@@ -85,7 +39,9 @@ class Translator:
                 f"tokenizer vocabulary sizes ({tokenizer.src_vocab_size}, {tokenizer.tgt_vocab_size}) differ "
                 f"from the model's ({model.config.src_vocab_size}, {model.config.tgt_vocab_size})"
             )
-        self.model = quantize_int8(model) if dtype == "int8" else model.eval()
+        if dtype == "int8" and any(type(m) is torch.nn.Linear for m in model.modules()):
+            raise ValueError("dtype int8 needs a quantised model: precision.for_inference(model, 'int8')")
+        self.model = model.eval()
         self.tokenizer = tokenizer
         self.search_config = search_config or SearchConfig()
         self.dtype = dtype
@@ -96,11 +52,12 @@ class Translator:
         cls,
         directory: str | Path,
         search_config: SearchConfig | None = None,
-        dtype: Literal["auto", "fp32", "bf16", "int8"] = "fp32",
+        dtype: Dtype = DEFAULT_DTYPE,
         device: str | torch.device | None = None,
     ) -> Translator:
-        model = transpose_weights(load_model(directory, device or default_device()))  # ours alone
-        return cls(model, Tokenizer.load(directory), search_config, dtype)
+        """A model directory, in the layout and number format that translate fastest (for_inference)."""
+        model = load_model(directory, device or default_device())
+        return cls(for_inference(model, dtype), Tokenizer.load(directory), search_config, dtype)
 
     @property
     def device(self) -> torch.device:
@@ -130,7 +87,7 @@ class Translator:
         results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in ids]
         lengths = [len(x) for x in ids]
         config = self.model.config
-        pad, learned = config.pad_id, config.positions == "learned"
+        learned = config.positions == "learned"
         too_long = [i for i, n in enumerate(lengths) if learned and n > config.max_positions]
         if too_long:
             i = too_long[0]
@@ -143,11 +100,11 @@ class Translator:
         with torch.inference_mode(), autocast(self.device, self.dtype):
             for batch in self.batches(lengths, search_config.beam_size):
                 width = max(lengths[i] for i in batch)
-                src = torch.full((len(batch), width), pad, dtype=torch.long)  # (B, S)
+                src = torch.full((len(batch), width), PAD_ID, dtype=torch.long)  # (B, S)
                 for row, i in enumerate(batch):
                     src[row, : lengths[i]] = torch.tensor(ids[i])
                 src = src.to(self.device)
-                max_len = max_lengths(src, search_config, pad)  # (B,)
+                max_len = max_lengths(src, search_config)  # (B,)
                 if learned:
                     max_len = max_len.clamp(max=config.max_positions)
                 for i, hyps in zip(batch, search(self.model, src, search_config, max_len=max_len)):

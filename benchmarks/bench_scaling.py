@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import aiayn_model  # noqa: E402
-from common import CONFIGS, EOS, machine, peak_rss_mb, set_threads  # noqa: E402
+from common import CONFIGS, EOS, NoEos, machine, peak_rss_mb, set_threads  # noqa: E402
 
 from aiayn.config import SearchConfig, TrainConfig  # noqa: E402
 from aiayn.search import search  # noqa: E402
@@ -60,7 +60,7 @@ def child(config: str, length: int, dtype: str, reps: int) -> dict:
     model.eval()
     start = time.perf_counter()
     with torch.inference_mode():
-        search(model, src, SearchConfig(beam_size=1), max_len=length, no_eos=True)
+        search(NoEos(model, EOS), src, SearchConfig(beam_size=1), max_len=length)
     return {
         "length": length,
         "sentences": n,

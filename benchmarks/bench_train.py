@@ -68,7 +68,7 @@ def fixed_batches(src: list[list[int]], tgt: list[list[int]]) -> list[list[int]]
 
 
 def tensors(src, tgt, batches):
-    return [collate(src, tgt, b, PAD, 1) for b in batches]
+    return [collate(src, tgt, b) for b in batches]
 
 
 def aiayn_model(shape: dict) -> Transformer:

@@ -28,6 +28,7 @@ from bench_train import aiayn_model  # noqa: E402
 from common import (  # noqa: E402
     CONFIGS,
     PAD,
+    NoEos,
     TorchTransformer,
     alternate,
     have,
@@ -41,20 +42,19 @@ from common import (  # noqa: E402
 )
 
 from aiayn.config import SearchConfig  # noqa: E402
+from aiayn.precision import autocast, for_inference  # noqa: E402
 from aiayn.search import search  # noqa: E402
-from aiayn.translate import autocast, quantize_int8, transpose_weights  # noqa: E402
 
 NEW_TOKENS = 24
 
 
 def aiayn_translator(shape: dict, dtype: str):
-    model = aiayn_model(shape).eval()  # as Translator.load prepares it:
-    model = quantize_int8(model) if dtype == "int8" else transpose_weights(model)
+    model = NoEos(for_inference(aiayn_model(shape), dtype))  # as Translator.load prepares it
 
     def run(batch: list[list[int]], beam: int) -> None:
         config = SearchConfig(beam_size=beam)
-        with torch.inference_mode(), autocast(torch.device("cpu"), "bf16" if dtype == "bf16" else "fp32"):
-            search(model, pad(batch), config, max_len=NEW_TOKENS, no_eos=True)
+        with torch.inference_mode(), autocast(torch.device("cpu"), dtype):
+            search(model, pad(batch), config, max_len=NEW_TOKENS)
 
     return run
 
@@ -65,7 +65,7 @@ def torch_translator(shape: dict, dtype: str):
     torch.backends.mha.set_fastpath_enabled(dtype == "fp32")
     model = TorchTransformer(**shape).eval()
     if dtype == "int8":
-        model = quantize_int8(model)  # the same PyTorch dynamic quantisation as aiayn's
+        model = for_inference(model, "int8")  # the same PyTorch dynamic quantisation as aiayn's
     enabled = dtype == "bf16"
 
     def run(batch: list[list[int]], beam: int) -> None:
@@ -82,7 +82,7 @@ def marian_translator(shape: dict, dtype: str):
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     if dtype == "int8":
-        model = quantize_int8(model)  # the same PyTorch dynamic quantisation as aiayn's
+        model = for_inference(model, "int8")  # the same PyTorch dynamic quantisation as aiayn's
 
     def run(batch: list[list[int]], beam: int) -> None:
         src = pad(batch)

@@ -180,6 +180,26 @@ def marian_model(shape: dict, dropout: float = 0.1):
     return MarianMTModel(marian_config(**shape, dropout=dropout))
 
 
+class NoEos(nn.Module):
+    """A model whose outputs never end (EOS gets no probability), so every system decodes exactly the
+    same number of tokens in a speed benchmark; search sees the same narrow interface (search.Seq2Seq)."""
+
+    def __init__(self, model: nn.Module, eos: int = 2):
+        super().__init__()
+        self.model, self.eos = model, eos
+
+    def encode(self, src: Tensor):
+        return self.model.encode(src)
+
+    def new_cache(self, memory, max_len: int):
+        return self.model.new_cache(memory, max_len)
+
+    def decode(self, tgt_in: Tensor, memory, cache=None) -> Tensor:
+        logits = self.model.decode(tgt_in, memory, cache)
+        logits[..., self.eos] = float("-inf")
+        return logits
+
+
 def have(module: str) -> bool:
     import importlib.util
 

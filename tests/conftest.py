@@ -7,6 +7,8 @@ import io
 import torch
 
 from aiayn.cli import main
+from aiayn.run import Run
+from aiayn.train import Result, train
 
 torch.set_num_threads(1)
 
@@ -43,3 +45,9 @@ def train_argv(prefix, out, *extra) -> list:
         "--quiet",
         *extra,
     ]
+
+
+def run_train(out, model_config, train_config, tokenizer, corpus, mode: str = "new", **kwargs) -> Result:
+    """train() into OUT on the CPU, quietly, opening OUT as `aiayn train` with that mode would."""
+    run = Run.open(out, mode, progress=False)
+    return train(run, model_config, train_config, tokenizer, corpus, device=torch.device("cpu"), **kwargs)

@@ -10,10 +10,10 @@ import safetensors.torch
 import torch
 
 from aiayn import checkpoint
-from aiayn.config import PAD_ID, ModelConfig, TrainConfig, preset
+from aiayn.config import ModelConfig, TrainConfig, preset
 from aiayn.model import Transformer
 from aiayn.synthetic import generate
-from aiayn.tokenizer import Tokenizer
+from aiayn.tokenizer import PAD_ID, Tokenizer
 from aiayn.translate import Translator
 
 SRC, TGT = generate(80, seed=1)
@@ -218,12 +218,17 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, partial):
     assert os.listdir(tmp_path) == ["f.txt"]  # and no half-written new file
 
 
+def state(**progress) -> dict:
+    """A training state of the shape load_state accepts."""
+    return {"optimizer": {}, "progress": progress, "rng": {}}
+
+
 def test_list_checkpoints_sorts_by_step_and_ignores_leftovers(tokenizers, tmp_path):
     tokenizer = tokenizers["joint"]
     model = make_model(tokenizer, True, True)
     assert checkpoint.list_checkpoints(tmp_path) == []
     for step in (100, 9, 20):
-        checkpoint.save_checkpoint(tmp_path, step, model, tokenizer, TrainConfig(), {"step": step})
+        checkpoint.save_checkpoint(tmp_path, step, model, tokenizer, TrainConfig(), state(step=step))
     root = tmp_path / checkpoint.CHECKPOINTS
     (root / ".step_00000200.k3j2.tmp").mkdir()  # an interrupted save
     (root / ".step_00000200.k3j2.tmp" / checkpoint.CONFIG).write_text("{")
@@ -233,20 +238,20 @@ def test_list_checkpoints_sorts_by_step_and_ignores_leftovers(tokenizers, tmp_pa
         "step_00000020",
         "step_00000100",
     ]
-    assert checkpoint.load_state(root / "step_00000020") == {"step": 20}
+    assert checkpoint.load_state(root / "step_00000020")["progress"] == {"step": 20}
     assert (root / "step_00000020" / checkpoint.TRAIN_CONFIG).is_file()
 
 
 def test_save_checkpoint_overwrites_the_same_step_and_leaves_no_temporaries(tokenizers, tmp_path):
     tokenizer = tokenizers["joint"]
     checkpoint.save_checkpoint(
-        tmp_path, 5, make_model(tokenizer, True, True, seed=1), tokenizer, TrainConfig(), {"v": 1}
+        tmp_path, 5, make_model(tokenizer, True, True, seed=1), tokenizer, TrainConfig(), state(v=1)
     )
     model = make_model(tokenizer, True, True, seed=2)
-    checkpoint.save_checkpoint(tmp_path, 5, model, tokenizer, TrainConfig(), {"v": 2})
+    checkpoint.save_checkpoint(tmp_path, 5, model, tokenizer, TrainConfig(), state(v=2))
     root = tmp_path / checkpoint.CHECKPOINTS
     assert os.listdir(root) == ["step_00000005"]
-    assert checkpoint.load_state(root / "step_00000005") == {"v": 2}
+    assert checkpoint.load_state(root / "step_00000005")["progress"] == {"v": 2}
     loaded = checkpoint.load_model(root / "step_00000005")
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters()))
 

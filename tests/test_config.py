@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
 import pytest
@@ -16,7 +17,9 @@ from aiayn.config import (
     load_json,
     parse_overrides,
     preset,
+    preset_for_vocabulary,
     save_json,
+    split_overrides,
 )
 
 # name: (d_model, d_ff, n_heads, n_layers, dropout); base and big from Table 3 of the paper
@@ -67,13 +70,67 @@ def test_defaults_are_the_papers():
         ({"n_decoder_layers": 0}, "n_decoder_layers"),
         ({"dropout": 1.0}, "dropout"),
         ({"d_model": 63, "n_heads": 3}, "even d_model"),  # sinusoids pair dimensions 2i, 2i+1
-        ({"bos_id": 0}, "ids must differ"),
-        ({"eos_id": 8000}, "eos_id"),
+        ({"max_positions": 10**10}, "max_positions must be at most"),  # a table no memory holds
     ],
 )
 def test_inconsistent_model_configs_are_refused(values, field):
     with pytest.raises(ValueError, match=field):
         ModelConfig(**values)
+
+
+@pytest.mark.parametrize(
+    ("cls", "values", "named"),
+    [
+        (SearchConfig, {"alpha": math.nan}, "alpha"),
+        (SearchConfig, {"alpha": math.inf}, "alpha"),
+        (SearchConfig, {"max_len_a": -1.0}, "max_len_a"),
+        (SearchConfig, {"max_len_a": 0.0, "max_len_b": 0}, "not both 0"),
+        (ModelConfig, {"dropout": math.nan}, "dropout"),
+        (TrainConfig, {"lr_scale": -1.0}, "lr_scale"),
+        (TrainConfig, {"lr_scale": 0.0}, "lr_scale"),
+        (TrainConfig, {"max_minutes": -1.0}, "max_minutes"),
+        (TrainConfig, {"max_minutes": math.inf}, "max_minutes"),
+        (TrainConfig, {"clip_norm": -1.0}, "clip_norm"),
+        (TrainConfig, {"adam_beta2": 1.0}, "betas"),
+        (TrainConfig, {"adam_eps": 0.0}, "eps"),
+    ],
+)
+def test_values_that_mean_nothing_are_refused(cls, values, named):
+    with pytest.raises(ValueError, match=named):
+        cls(**values)
+
+
+@pytest.mark.parametrize("key", ["pad_id", "bos_id", "eos_id", "unk_id"])
+def test_special_ids_are_the_tokenizers_not_settings(key):
+    # One source of truth: overriding an id would make search stop on, or batches pad with, a token
+    # the vocabulary does not use for that.
+    for refuse in (
+        lambda: parse_overrides((ModelConfig, TrainConfig), [f"{key}=5"]),
+        lambda: from_dict(ModelConfig, {key: 5}),
+        lambda: split_overrides({key: 5}, where="run.yaml"),
+    ):
+        with pytest.raises(ValueError, match=f"{key} is not a setting.*tokenizer"):
+            refuse()
+    assert key not in {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def test_split_overrides_sends_each_key_to_its_config():
+    model, train = split_overrides({"dropout": 0.3, "warmup_steps": 10}, where="x.yaml")
+    assert (model, train) == ({"dropout": 0.3}, {"warmup_steps": 10})
+    with pytest.raises(ValueError, match="x.yaml: unknown key.*dropuot"):
+        split_overrides({"dropuot": 0.3}, where="x.yaml")
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_embedding_sharing_follows_the_vocabulary(joint):
+    config = preset_for_vocabulary("tiny", 300, 300 if joint else 280, joint)
+    assert config.share_embeddings is joint
+    # Separate matrices over one vocabulary are a choice; one matrix over two vocabularies is a bug.
+    assert preset_for_vocabulary("tiny", 300, 300, True, share_embeddings=False).share_embeddings is False
+    with pytest.raises(ValueError, match="share_embeddings=true needs one vocabulary"):
+        preset_for_vocabulary("tiny", 300, 300, False, share_embeddings=True)
+    with pytest.raises(ValueError, match="src_vocab_size is not a setting"):
+        preset_for_vocabulary("tiny", 300, 300, True, src_vocab_size=10)
 
 
 def test_the_same_values_are_accepted_where_they_make_sense():
@@ -125,6 +182,10 @@ def test_parse_overrides_gives_typed_values():
     values = parse_overrides(
         ModelConfig, ["dropout=0.3", "norm=pre", "share_embeddings=false", "d_model = 256"]
     )
+    assert parse_overrides((ModelConfig, TrainConfig), ["warmup_steps=7", "d_ff=8"]) == {
+        "warmup_steps": 7,
+        "d_ff": 8,
+    }
     assert values == {"dropout": 0.3, "norm": "pre", "share_embeddings": False, "d_model": 256}
     assert [type(v) for v in values.values()] == [float, str, bool, int]
     assert parse_overrides(ModelConfig, ["tie_output=YES"]) == {"tie_output": True}

@@ -1,8 +1,12 @@
 """Tests for aiayn/data.py: reading parallel text, cleaning, splitting and token-budget batching."""
 
 import gzip
+import io
 import json
+import os
 import random
+import sys
+import threading
 
 import datasets
 import pytest
@@ -13,12 +17,15 @@ from aiayn.data import (
     collate,
     filter_lengths,
     make_batches,
+    read_corpus,
     read_hf,
+    read_lines,
     read_pairs,
     read_parallel,
     read_tsv,
     split_valid,
 )
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
 def write(path, data: bytes):
@@ -155,17 +162,141 @@ def test_read_pairs_dispatches(tmp_path):
         read_pairs("hf:", "de", "en")
 
 
-def test_read_pairs_hf_spec_splits_name_and_config(monkeypatch):
+def test_read_pairs_hf_spec_splits_name_config_and_split(monkeypatch):
     calls = []
 
-    def fake_load_dataset(name, config, split, data_files):
-        calls.append((name, config, split))
-        return datasets.Dataset.from_dict({"translation": [{"de": "a", "en": "b"}]})
+    def fake_load_dataset(name, config, data_files):
+        calls.append((name, config, data_files))
+        split = datasets.Dataset.from_dict({"translation": [{"de": name, "en": config or "-"}]})
+        return datasets.DatasetDict({"train": split, "validation": split, "test": split})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    assert read_pairs("hf:Helsinki-NLP/opus_books:de-en", "de", "en") == (["a"], ["b"])
+    assert read_pairs("hf:Helsinki-NLP/opus_books:de-en", "de", "en") == (
+        ["Helsinki-NLP/opus_books"],
+        ["de-en"],
+    )
     read_pairs("hf:some/set", "de", "en", split="validation")
-    assert calls == [("Helsinki-NLP/opus_books", "de-en", "train"), ("some/set", None, "validation")]
+    read_pairs("hf:some/set::test", "de", "en", split="validation")  # the spec's split wins
+    read_pairs("hf:json", "de", "en", data_files={"train": ["a.jsonl"]})
+    assert calls == [
+        ("Helsinki-NLP/opus_books", "de-en", None),
+        ("some/set", None, None),
+        ("some/set", None, None),
+        ("json", None, {"train": ["a.jsonl"]}),
+    ]
+    with pytest.raises(ValueError, match="no split 'dev'.*'test', 'train', 'validation'"):
+        read_pairs("hf:some/set::dev", "de", "en")
+    with pytest.raises(ValueError, match="hf:NAME"):
+        read_pairs("hf:a:b:c:d", "de", "en")
+
+
+def test_an_unreachable_hub_is_a_value_error_that_says_what_to_do(monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'some/set' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(
+        ValueError, match="hf:some/set: cannot reach the Hugging Face hub.*HF_DATASETS_OFFLINE"
+    ):
+        read_pairs("hf:some/set", "de", "en")
+    with pytest.raises(ValueError, match="hf:/no/such/dir: no such dataset"):
+        monkeypatch.undo()
+        read_pairs("hf:/no/such/dir", "de", "en")
+
+
+def write_jsonl(path, pairs):
+    path.write_text("".join(json.dumps({"translation": {"de": d, "en": e}}) + "\n" for d, e in pairs))
+    return path
+
+
+TRAIN_PAIRS = [(f"Haus {i}", f"house {i}") for i in range(6)]
+VALID_PAIRS = [("Baum", "tree"), ("Hund", "dog")]
+
+
+def test_a_local_dataset_gives_each_split_its_own_pairs(tmp_path):
+    # A directory of data files named by split, as Hugging Face lays out local datasets.
+    write_jsonl(tmp_path / "train.jsonl", TRAIN_PAIRS)
+    write_jsonl(tmp_path / "validation.jsonl", VALID_PAIRS)
+    spec = f"hf:{tmp_path}"
+    assert read_pairs(spec, "de", "en") == tuple(map(list, zip(*TRAIN_PAIRS)))
+    assert read_pairs(spec, "de", "en", split="validation") == (["Baum", "Hund"], ["tree", "dog"])
+    # --valid hf:... reads the validation split, and a hf: --train without --valid uses it too.
+    for valid in (spec, None):
+        corpus = read_corpus(spec, "de", "en", valid=valid, say=lambda line: None)
+        assert (corpus.valid_src, corpus.valid_tgt) == (["Baum", "Hund"], ["tree", "dog"])
+        assert corpus.train_src == [d for d, _ in TRAIN_PAIRS]
+
+
+def test_local_data_files_by_split(tmp_path):
+    files = {
+        "train": [str(write_jsonl(tmp_path / "a.jsonl", TRAIN_PAIRS))],
+        "validation": [str(write_jsonl(tmp_path / "b.jsonl", VALID_PAIRS))],
+    }
+    corpus = read_corpus("hf:json", "en", "de", data_files=files, say=lambda line: None)
+    assert corpus.train_tgt == [d for d, _ in TRAIN_PAIRS] and corpus.valid_src == ["tree", "dog"]
+    del files["validation"]
+    said = []
+    corpus = read_corpus("hf:json", "en", "de", data_files=files, say=said.append)
+    assert corpus.valid_src == [] and "no validation split" in said[-1]
+
+
+def test_read_corpus_holds_out_a_fraction_or_reads_valid_data(tmp_path):
+    write(tmp_path / "p.de", "".join(f"Haus {i}\n" for i in range(20)).encode())
+    write(tmp_path / "p.en", "".join(f"house {i}\n" for i in range(20)).encode())
+    write(tmp_path / "v.tsv", b"Baum\ttree\n\t\n")
+    quiet = dict(say=lambda line: None)
+    held = read_corpus(str(tmp_path / "p"), "de", "en", valid_fraction=0.25, seed=3, **quiet)
+    assert len(held.train_src) == 15 and len(held.valid_src) == 5
+    assert sorted(held.train_src + held.valid_src) == sorted(f"Haus {i}" for i in range(20))
+    assert (
+        held.fingerprint()
+        == read_corpus(str(tmp_path / "p"), "de", "en", valid_fraction=0.25, seed=3, **quiet).fingerprint()
+    )
+    said = []
+    both = read_corpus(str(tmp_path / "p"), "de", "en", valid=str(tmp_path / "v.tsv"), say=said.append)
+    assert (both.valid_src, both.valid_tgt) == (["Baum"], ["tree"])  # the empty pair is dropped, and said
+    assert said == [
+        "training pairs: {'kept': 20, 'empty': 0, 'too_long': 0}",
+        "validation pairs: {'kept': 1, 'empty': 1, 'too_long': 0}",
+    ]
+    with pytest.raises(ValueError, match="not both"):
+        read_corpus(str(tmp_path / "p"), "de", "en", valid=str(tmp_path / "v.tsv"), valid_fraction=0.1)
+    # The direction is part of what a resumed run must share.
+    swapped = read_corpus(str(tmp_path / "p"), "en", "de", valid_fraction=0.25, seed=3, **quiet)
+    assert swapped.fingerprint()["train_data"] != held.fingerprint()["train_data"]
+
+
+# Pipes and standard input ------------------------------------------------------------------------------
+
+
+def fifo_with(tmp_path, name: str, data: bytes):
+    """A named pipe that a thread fills with `data` (what `<(...)` gives a program)."""
+    path = tmp_path / name
+    os.mkfifo(path)
+
+    def fill():
+        with open(path, "wb") as f:
+            f.write(data)
+
+    threading.Thread(target=fill, daemon=True).start()
+    return path
+
+
+def test_pipes_and_standard_input_are_files_to_read(tmp_path, monkeypatch):
+    assert read_lines(fifo_with(tmp_path, "lines", b"eins\nzwei\n")) == ["eins", "zwei"]
+    assert read_lines(fifo_with(tmp_path, "gz", gzip.compress(b"drei\n"))) == ["drei"]  # gzip by content
+    assert read_pairs(str(fifo_with(tmp_path, "pairs", b"Haus\thouse\n")), "de", "en") == (
+        ["Haus"],
+        ["house"],
+    )
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Baum\ttree\n")))
+    assert read_pairs("-", "de", "en") == (["Baum"], ["tree"])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"vier\n")))
+    assert read_lines("-") == ["vier"]
+    with pytest.raises(ValueError, match="is a directory"):
+        read_lines(tmp_path)
+    with pytest.raises(ValueError, match="nothing: no such file"):
+        read_lines(tmp_path / "nothing")
 
 
 # Cleaning and filtering -------------------------------------------------------------------------------------
@@ -261,13 +392,13 @@ def test_a_pair_longer_than_the_budget_is_refused():
 
 
 def test_collate_pads_to_the_batch_and_shifts_in_bos():
-    pad, bos, eos = 0, 1, 2
+    pad, bos, eos = PAD_ID, BOS_ID, EOS_ID
     src_ids = [[5, 6, 7, eos], [8, eos], [9, 9, 9, 9, 9, 9, eos]]
     tgt_ids = [[10, eos], [11, 12, 13, eos], [14, eos]]
-    src, tgt_in, tgt_out = collate(src_ids, tgt_ids, [1, 0], pad_id=pad, bos_id=bos)
+    src, tgt_in, tgt_out = collate(src_ids, tgt_ids, [1, 0])
     assert torch.equal(src, torch.tensor([[8, eos, pad, pad], [5, 6, 7, eos]]))
     assert torch.equal(tgt_in, torch.tensor([[bos, 11, 12, 13], [bos, 10, pad, pad]]))
     assert torch.equal(tgt_out, torch.tensor([[11, 12, 13, eos], [10, eos, pad, pad]]))
     assert src.dtype == tgt_in.dtype == tgt_out.dtype == torch.long
     with pytest.raises(ValueError, match="pair 0 has an empty target"):
-        collate([[5]], [[]], [0], pad_id=pad, bos_id=bos)
+        collate([[5]], [[]], [0])

@@ -7,17 +7,18 @@ import random
 
 import pytest
 import torch
+from conftest import run_train
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 from aiayn.checkpoint import save_model  # noqa: E402
 from aiayn.cli import main  # noqa: E402
-from aiayn.config import BOS_ID, SearchConfig, TrainConfig, preset  # noqa: E402
+from aiayn.config import SearchConfig, TrainConfig, preset  # noqa: E402
+from aiayn.data import Corpus  # noqa: E402
 from aiayn.export import AIAYN_CONFIG, CTranslate2Translator, export_ctranslate2  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.synthetic import generate  # noqa: E402
-from aiayn.tokenizer import Tokenizer  # noqa: E402
-from aiayn.train import Corpus, train  # noqa: E402
+from aiayn.tokenizer import BOS_ID, Tokenizer  # noqa: E402
 from aiayn.translate import Translator  # noqa: E402
 
 # Reverse a sequence of made-up words: a tiny model learns enough of it in 150 updates that its outputs
@@ -34,10 +35,10 @@ def trained(tmp_path_factory):
     """(model directory, its CTranslate2 export, aiayn Translator, CTranslate2Translator)."""
     root = tmp_path_factory.mktemp("export")
     tokenizer = Tokenizer.train(SRC[:3000], TGT[:3000], vocab_size=300, kind="word", min_frequency=1)
-    corpus = Corpus(tokenizer.encode_src(SRC[:3000]), tokenizer.encode_tgt(TGT[:3000]), [], [])
+    corpus = Corpus(SRC[:3000], TGT[:3000])
     config = preset("tiny", vocab_size=tokenizer.src_vocab_size)
     train_config = TrainConfig(dtype="fp32", max_updates=250, max_tokens=1000, warmup_steps=100)
-    train(root / "model", config, train_config, tokenizer, corpus, device=torch.device("cpu"), progress=False)
+    run_train(root / "model", config, train_config, tokenizer, corpus)
     export_ctranslate2(root / "model", root / "ct2")
     ours = Translator.load(root / "model", device="cpu")
     theirs = CTranslate2Translator(root / "ct2", threads=1)

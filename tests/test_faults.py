@@ -20,18 +20,17 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import assert_one_line_error, run_cli, train_argv
+from conftest import assert_one_line_error, run_cli, run_train, train_argv
 
 from aiayn import checkpoint
 from aiayn import train as train_module
 from aiayn.config import SearchConfig, TrainConfig, preset
+from aiayn.data import Corpus
 from aiayn.model import Transformer
 from aiayn.synthetic import generate
-from aiayn.tokenizer import Tokenizer
-from aiayn.train import Corpus, train
+from aiayn.tokenizer import EOS_ID, Tokenizer
 from aiayn.translate import Translator
 
-QUIET = dict(device=torch.device("cpu"), progress=False)
 SRC, TGT = generate(330, seed=4)
 
 
@@ -100,7 +99,7 @@ def test_train_non_utf8_is_an_error_unless_replaced(tmp_path):
 
 def corpus_of(tokenizer: Tokenizer, n: int) -> Corpus:
     """The first n pairs, no validation data."""
-    return Corpus(tokenizer.encode_src(SRC[:n]), tokenizer.encode_tgt(TGT[:n]), [], [])
+    return Corpus(SRC[:n], TGT[:n])
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -109,10 +108,11 @@ def read_metrics(out: Path) -> list[dict]:
 
 def test_training_filters_long_pairs_with_a_count(tokenizer, tmp_path):
     corpus = corpus_of(tokenizer, 40)
-    max_len = sorted(max(len(s), len(t)) for s, t in zip(corpus.src_ids, corpus.tgt_ids))[30]
-    longer = sum(max(len(s), len(t)) > max_len for s, t in zip(corpus.src_ids, corpus.tgt_ids))
+    ids = list(zip(tokenizer.encode_src(corpus.train_src), tokenizer.encode_tgt(corpus.train_tgt)))
+    max_len = sorted(max(len(s), len(t)) for s, t in ids)[30]
+    longer = sum(max(len(s), len(t)) > max_len for s, t in ids)
     cfg = TrainConfig(max_len=max_len, max_updates=1, dtype="fp32")
-    train(tmp_path, tiny_model(tokenizer).config, cfg, tokenizer, corpus, **QUIET)
+    run_train(tmp_path, tiny_model(tokenizer).config, cfg, tokenizer, corpus)
     (data,) = [r for r in read_metrics(tmp_path) if r.get("event") == "data"]
     assert data["too_long"] == longer > 0 and data["pairs"] == 40 - longer
 
@@ -123,11 +123,10 @@ BOUNDED = TrainConfig(max_updates=1, dtype="fp32")  # should the check be missin
 def test_learned_positions_refuse_what_cannot_fit_before_training(tokenizer, tmp_path):
     model_config = tiny_model(tokenizer, positions="learned", max_positions=64).config
     with pytest.raises(ValueError, match=r"max_len=256 is more than max_positions=64.*--set max_len=64"):
-        train(tmp_path / "run", model_config, BOUNDED, tokenizer, corpus_of(tokenizer, 40), **QUIET)
-    corpus = corpus_of(tokenizer, 40)
-    corpus.valid_src = ["a short one", " ".join(SRC[:20])]
+        run_train(tmp_path / "run", model_config, BOUNDED, tokenizer, corpus_of(tokenizer, 40))
+    corpus = Corpus(SRC[:40], TGT[:40], ["a short one", " ".join(SRC[:20])], ["one", "two"])
     with pytest.raises(ValueError, match=r"validation line 2 has \d+ tokens, more than max_positions=64"):
-        train(tmp_path / "run", model_config, replace(BOUNDED, max_len=64), tokenizer, corpus, **QUIET)
+        run_train(tmp_path / "run", model_config, replace(BOUNDED, max_len=64), tokenizer, corpus)
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
@@ -137,7 +136,7 @@ def test_learned_positions_refuse_what_cannot_fit_before_training(tokenizer, tmp
 def without_eos(model: Transformer) -> Transformer:
     """EOS gets logit 0 where the other 299 are spread around it: it never wins, outputs run to the limit."""
     with torch.no_grad():
-        model.generator.weight[model.config.eos_id] = 0.0
+        model.generator.weight[EOS_ID] = 0.0
     return model
 
 
@@ -191,7 +190,7 @@ def test_a_directory_that_is_not_a_model(tmp_path):
     [
         (lambda c: {**c, "d_modle": 32}, ["unknown ModelConfig key(s) ['d_modle']"]),
         (lambda c: {**c, "n_heads": "4"}, ["ModelConfig.n_heads: expected an integer, got '4'"]),
-        (lambda c: {**c, "dropout": None}, ["ModelConfig.dropout: expected a number"]),
+        (lambda c: {**c, "dropout": None}, ["ModelConfig.dropout: expected a finite number"]),
     ],
 )
 def test_translate_with_a_bad_config_json(model_dir, tmp_path, edit, needles):
@@ -209,7 +208,7 @@ def test_translate_with_a_bad_config_json(model_dir, tmp_path, edit, needles):
     [
         (["--valid", "{root}/missing"], ["{root}/missing.en"]),
         (["--config", "{root}/missing.yaml"], ["{root}/missing.yaml: no such file"]),
-        (["--config", "{root}/typo.yaml"], ["unknown key 'warmup'"]),
+        (["--config", "{root}/typo.yaml"], ["{root}/typo.yaml: unknown key(s) ['warmup']"]),
         (["--set", "positions=absolute"], ["expected one of ['sinusoidal', 'learned']"]),
     ],
 )
@@ -273,15 +272,18 @@ def test_a_tokenizer_of_another_size_is_refused_at_load(model_dir, tmp_path):
 
 def crash_while_writing_weights(monkeypatch) -> None:
     """safetensors writes half of the file, then the process "dies" (an exception in its place)."""
-    real = safetensors.torch.save_model
+    real = safetensors.torch.save_file
 
-    def half_then_crash(model, filename, *args, **kwargs):
-        real(model, filename, *args, **kwargs)
+    def half_then_crash(tensors, filename, *args, **kwargs):
+        real(tensors, filename, *args, **kwargs)
         data = Path(filename).read_bytes()
         Path(filename).write_bytes(data[: len(data) // 2])
         raise OSError("simulated crash")
 
-    monkeypatch.setattr(safetensors.torch, "save_model", half_then_crash)
+    monkeypatch.setattr(safetensors.torch, "save_file", half_then_crash)
+
+
+STATE_1 = {"optimizer": {}, "progress": {"step": 1}, "rng": {}}
 
 
 def test_a_crash_while_saving_keeps_the_previous_checkpoint_and_model(tokenizer, tmp_path, monkeypatch):
@@ -290,10 +292,10 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint_and_model(tokenizer,
         for p in new.parameters():
             p.add_(1.0)
     checkpoint.save_model(tmp_path, old, tokenizer)
-    checkpoint.save_checkpoint(tmp_path, 1, old, tokenizer, TrainConfig(), {"step": 1})
+    checkpoint.save_checkpoint(tmp_path, 1, old, tokenizer, TrainConfig(), STATE_1)
     crash_while_writing_weights(monkeypatch)
     with pytest.raises(OSError, match="simulated crash"):
-        checkpoint.save_checkpoint(tmp_path, 2, new, tokenizer, TrainConfig(), {"step": 2})
+        checkpoint.save_checkpoint(tmp_path, 2, new, tokenizer, TrainConfig(), STATE_1)
     with pytest.raises(OSError, match="simulated crash"):
         checkpoint.save_weights(new, tmp_path / checkpoint.WEIGHTS)
     with pytest.raises(OSError, match="simulated crash"):
@@ -301,7 +303,7 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint_and_model(tokenizer,
     monkeypatch.undo()
 
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000001"]
-    assert checkpoint.load_state(checkpoint.list_checkpoints(tmp_path)[0]) == {"step": 1}
+    assert checkpoint.load_state(checkpoint.list_checkpoints(tmp_path)[0]) == STATE_1
     for directory in (tmp_path, checkpoint.list_checkpoints(tmp_path)[0]):
         loaded = Translator.load(directory, device="cpu").model
         assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), old.parameters()))
@@ -331,7 +333,7 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint(model_dir, tmp_path)
     for path in model_dir.iterdir():
         (out / path.name).write_bytes(path.read_bytes())
     code, _, stderr = run(*tiny_train(prefix, out, "--resume"))
-    assert_one_line_error(code, stderr, f"{out} holds no checkpoint to resume from: use --force")
+    assert_one_line_error(code, stderr, f"{out} holds a model but no checkpoint to resume from: use --force")
 
 
 # --- Faults: killed, interrupted ----------------------------------------------------------------------------
@@ -415,7 +417,9 @@ def test_a_signal_saves_a_resumable_checkpoint_and_exits_128_plus_its_number(run
     assert result["reason"] == f"signal {sig.name}"
     last = checkpoint.list_checkpoints(out)[-1]
     assert last.name == f"step_{result['step']:08d}"
-    assert f"stopped by {sig.name} after update {result['step']}; saved {last}" in stderr
+    assert (
+        f"stopped by {sig.name} after update {result['step']}; saved {last}; {out} holds the model" in stderr
+    )
     assert "--resume" in stderr
     assert checkpoint.load_state(last)["progress"]["step"] == result["step"]
     Translator.load(last, device="cpu")
@@ -428,8 +432,8 @@ def nan_loss_at(update: int, monkeypatch) -> list[int]:
     """Make the loss NaN at one update (no validation data, so every loss call is a training update)."""
     real, calls = train_module.label_smoothed_loss, []
 
-    def patched(logits, target, epsilon, pad_id):
-        loss, nll = real(logits, target, epsilon, pad_id)
+    def patched(logits, target, epsilon):
+        loss, nll = real(logits, target, epsilon)
         calls.append(1)
         return (loss * float("nan"), nll) if len(calls) == update else (loss, nll)
 
@@ -446,7 +450,7 @@ def test_a_nonfinite_loss_stops_naming_the_update_and_keeps_the_last_checkpoint(
     nan_loss_at(5, monkeypatch)
     model_config = tiny_model(tokenizer).config
     with pytest.raises(ValueError, match=r"update 5: the loss is nan \(not finite\).*skip_nonfinite=true"):
-        train(tmp_path, model_config, TrainConfig(**NONFINITE), tokenizer, corpus_of(tokenizer, 60), **QUIET)
+        run_train(tmp_path, model_config, TrainConfig(**NONFINITE), tokenizer, corpus_of(tokenizer, 60))
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
     last = checkpoint.list_checkpoints(tmp_path)[-1]
     assert checkpoint.load_state(last)["progress"]["step"] == 4
@@ -458,8 +462,8 @@ def test_a_nonfinite_loss_stops_naming_the_update_and_keeps_the_last_checkpoint(
 def test_skip_nonfinite_skips_the_batch_and_goes_on(tokenizer, tmp_path, monkeypatch):
     calls = nan_loss_at(5, monkeypatch)
     cfg = TrainConfig(skip_nonfinite=True, **NONFINITE)
-    result = train(tmp_path, tiny_model(tokenizer).config, cfg, tokenizer, corpus_of(tokenizer, 60), **QUIET)
-    assert result["step"] == 6 and len(calls) == 7  # the skipped batch is not an update
+    result = run_train(tmp_path, tiny_model(tokenizer).config, cfg, tokenizer, corpus_of(tokenizer, 60))
+    assert result.step == 6 and len(calls) == 7  # the skipped batch is not an update
     assert {"event": "skip_nonfinite", "update": 5} in read_metrics(tmp_path)
     model = checkpoint.load_model(checkpoint.list_checkpoints(tmp_path)[-1])
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -479,7 +483,7 @@ def test_out_of_memory_names_the_flag_to_lower(tokenizer, tmp_path, monkeypatch,
     monkeypatch.setattr(Transformer, "forward", forward)
     cfg = TrainConfig(max_updates=1, dtype="fp32", max_tokens=300)
     with pytest.raises(ValueError, match=r"update 1: out of memory .*lower --max-tokens \(e\.g\. 150\)"):
-        train(tmp_path, tiny_model(tokenizer).config, cfg, tokenizer, corpus_of(tokenizer, 20), **QUIET)
+        run_train(tmp_path, tiny_model(tokenizer).config, cfg, tokenizer, corpus_of(tokenizer, 20))
 
 
 def test_other_runtime_errors_are_not_called_out_of_memory(tokenizer, tmp_path, monkeypatch):
@@ -489,4 +493,4 @@ def test_other_runtime_errors_are_not_called_out_of_memory(tokenizer, tmp_path, 
     monkeypatch.setattr(Transformer, "forward", forward)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         cfg = TrainConfig(max_updates=1)
-        train(tmp_path, tiny_model(tokenizer).config, cfg, tokenizer, corpus_of(tokenizer, 20), **QUIET)
+        run_train(tmp_path, tiny_model(tokenizer).config, cfg, tokenizer, corpus_of(tokenizer, 20))

@@ -9,11 +9,11 @@ import re
 import pytest
 import torch
 
-from aiayn.config import EOS_ID, SearchConfig, preset
+from aiayn.config import SearchConfig, preset
 from aiayn.data import read_parallel, read_tsv
 from aiayn.model import Transformer
 from aiayn.synthetic import generate
-from aiayn.tokenizer import Tokenizer
+from aiayn.tokenizer import EOS_ID, Tokenizer
 from aiayn.translate import Translator
 
 SRC, TGT = generate(120, seed=6)

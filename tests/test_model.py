@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from functools import partial
 
@@ -10,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.config import BOS_ID, EOS_ID, PAD_ID, preset
-from aiayn.model import MultiHeadAttention, Transformer, sinusoids
+from aiayn.config import preset
+from aiayn.model import MultiHeadAttention, RecordedAttention, Transformer, attention_maps, sinusoids
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 V = 16  # vocabulary of the tiny models; ids 0-3 are special, 4..V-1 are words
 FIRST_WORD = 4
@@ -118,9 +120,9 @@ def naive_ffn(ff, x):
     return torch.relu(x @ ff.w_1.weight.T + ff.w_1.bias) @ ff.w_2.weight.T + ff.w_2.bias
 
 
-def naive_sublayer(res, x: Tensor, sublayer, pre: bool) -> Tensor:
+def naive_sublayer(norm, x: Tensor, sublayer, pre: bool) -> Tensor:
     """§3.1 post-norm LayerNorm(x + Sublayer(x)); the pre-norm option x + Sublayer(LayerNorm(x))."""
-    return x + sublayer(layer_norm(x, res.norm)) if pre else layer_norm(x + sublayer(x), res.norm)
+    return x + sublayer(layer_norm(x, norm)) if pre else layer_norm(x + sublayer(x), norm)
 
 
 def naive_forward(model: Transformer, src: Tensor, tgt: Tensor) -> Tensor:
@@ -128,22 +130,23 @@ def naive_forward(model: Transformer, src: Tensor, tgt: Tensor) -> Tensor:
     cfg = model.config
     D, pre = cfg.d_model, cfg.norm == "pre"
     S, T = src.size(1), tgt.size(1)
-    keep = src != cfg.pad_id  # (B, S)
+    keep = src != PAD_ID  # (B, S)
 
     x = model.src_embed.tokens.weight[src] * math.sqrt(D) + pe_table(S, D)  # §3.4, §3.5
     for layer in model.encoder:
-        x = naive_sublayer(layer.res_attn, x, partial(naive_self, layer.self_attn, key_padding(keep, S)), pre)
-        x = naive_sublayer(layer.res_ff, x, partial(naive_ffn, layer.feed_forward), pre)
+        attend = partial(naive_self, layer.self_attn, key_padding(keep, S))
+        x = naive_sublayer(layer.self_attn_norm, x, attend, pre)
+        x = naive_sublayer(layer.feed_forward_norm, x, partial(naive_ffn, layer.feed_forward), pre)
     if pre:
         x = layer_norm(x, model.encoder_norm)
 
     y = model.tgt_embed.tokens.weight[tgt] * math.sqrt(D) + pe_table(T, D)
     for layer in model.decoder:
-        y = naive_sublayer(layer.res_self, y, partial(naive_self, layer.self_attn, future_hidden(T)), pre)
-        y = naive_sublayer(
-            layer.res_cross, y, partial(naive_cross, layer.cross_attn, x, key_padding(keep, T)), pre
-        )
-        y = naive_sublayer(layer.res_ff, y, partial(naive_ffn, layer.feed_forward), pre)
+        attend = partial(naive_self, layer.self_attn, future_hidden(T))
+        y = naive_sublayer(layer.self_attn_norm, y, attend, pre)
+        attend = partial(naive_cross, layer.cross_attn, x, key_padding(keep, T))
+        y = naive_sublayer(layer.cross_attn_norm, y, attend, pre)
+        y = naive_sublayer(layer.feed_forward_norm, y, partial(naive_ffn, layer.feed_forward), pre)
     if pre:
         y = layer_norm(y, model.decoder_norm)
     return y @ model.generator.weight.T  # (B, T, V)
@@ -237,31 +240,29 @@ def test_attention_equals_naive_softmax():
     keep_x = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
     keep_m = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5], dtype=torch.bool)
 
-    cases = {  # name: (module call, naive output and weights)
+    cases = {  # name: (module, its call, naive output and weights)
         "self, padded": (
             mha,
-            lambda: mha.attend(*mha.project_qkv(x), keep_x[:, None, None, :]),
+            lambda m: m(x, keep_x[:, None, None, :]),
             naive_attention(mha, x, x, key_padding(keep_x, L)),
         ),
         "cross, padded": (
             cross,
-            lambda: cross.attend(cross.project_q(x), *cross.project_kv(memory), keep_m[:, None, None, :]),
+            lambda m: m(x, memory, keep_m[:, None, None, :]),
             naive_attention(cross, x, memory, key_padding(keep_m, L)),
         ),
         "self, causal": (
             mha,
-            lambda: mha.attend(*mha.project_qkv(x), None, causal=True),
+            lambda m: m(x, causal=True),
             naive_attention(mha, x, x, future_hidden(L).expand(B, -1, -1)),
         ),
     }
     for name, (module, call, (expected, expected_weights)) in cases.items():
-        torch.testing.assert_close(call(), expected, atol=1e-5, rtol=0, msg=name)  # SDPA path
-        module.recorded = []  # the attention-map path: weights written out
-        try:
-            torch.testing.assert_close(call(), expected, atol=1e-5, rtol=0, msg=name)
-            (weights,) = module.recorded
-        finally:
-            module.recorded = None
+        torch.testing.assert_close(call(module), expected, atol=1e-5, rtol=0, msg=name)  # SDPA path
+        recording, record = copy.deepcopy(module), []  # the attention-map path: weights written out
+        recording.attention = RecordedAttention(record)
+        torch.testing.assert_close(call(recording), expected, atol=1e-5, rtol=0, msg=name)
+        (weights,) = record
         torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=0, msg=name)
 
 
@@ -270,7 +271,11 @@ def test_attention_maps_are_distributions_that_skip_padding_and_future():
     model = tiny()
     src, tgt = words(2, 6), with_bos(words(2, 5))
     src[1, 4:] = PAD_ID
-    maps = model.attention_maps(src, tgt)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    maps = attention_maps(model, src, tgt)
+    # The model is not touched: its modules run SDPA as before, and its parameters are the same.
+    assert not any(isinstance(m, RecordedAttention) for m in model.modules())
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     B, H, S, T = 2, 4, 6, 5
     for name, shape in [("encoder", (B, H, S, S)), ("decoder", (B, H, T, T)), ("cross", (B, H, T, S))]:
         assert len(maps[name]) == 2
@@ -302,8 +307,8 @@ def test_layer_norm_is_per_feature_and_post_norm_by_default():
     torch.manual_seed(4)
     gain, bias = torch.rand(64) + 0.5, torch.randn(64)
     with torch.no_grad():
-        layer.res_ff.norm.weight.copy_(gain)
-        layer.res_ff.norm.bias.copy_(bias)
+        layer.feed_forward_norm.weight.copy_(gain)
+        layer.feed_forward_norm.bias.copy_(bias)
     x = 3 * torch.randn(2, 7, 64)
     z = (layer(x, None) - bias) / gain  # undo the per-feature gain and bias
     torch.testing.assert_close(z.mean(-1), torch.zeros(2, 7), atol=1e-5, rtol=0)  # per position
@@ -424,7 +429,7 @@ def test_fully_padded_sentences_give_finite_values_and_gradients(mode):
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert sum(g.float().abs().sum() for g in grads) > 0
-    for maps in model.attention_maps(src, tgt).values():
+    for maps in attention_maps(model, src, tgt).values():
         assert all(torch.isfinite(w).all() for w in maps)
 
 

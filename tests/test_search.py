@@ -63,7 +63,6 @@ class ScriptedModel(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.config = preset("tiny", vocab_size=6)  # pad 0, bos 1, eos 2
         self.rows: list[int] = []  # batch rows of every decode call: the work done
 
     def encode(self, src: Tensor) -> Memory:
@@ -120,8 +119,8 @@ def test_length_penalty_formulas() -> None:
 def test_max_lengths_from_the_source_length() -> None:
     src = torch.tensor([[5, 6, 7, 0], [5, 0, 0, 0], [5, 6, 7, 8]])
     config = SearchConfig(max_len_a=1.5, max_len_b=2)
-    assert max_lengths(src, config, pad_id=0).tolist() == [6, 3, 8]  # floor(1.5 * n + 2)
-    assert max_lengths(src, SearchConfig(), pad_id=0).tolist() == [53, 51, 54]  # §6.1: input + 50
+    assert max_lengths(src, config).tolist() == [6, 3, 8]  # floor(1.5 * n + 2)
+    assert max_lengths(src, SearchConfig()).tolist() == [53, 51, 54]  # §6.1: input + 50
     with pytest.raises(ValueError, match="at least 1"):
         greedy_search(ScriptedModel(), src, max_len=0)
     with pytest.raises(ValueError, match="tensor"):
@@ -191,7 +190,7 @@ def test_finished_sentences_leave_the_batch() -> None:
     assert together[0][0].tokens == [4] and len(together[1][0].tokens) == 7  # "long" ends without EOS
 
     model = ScriptedModel()
-    assert greedy_search(model, src, max_len=max_lengths(src, config, PAD)) == [[3, 5], [3] * 7]
+    assert greedy_search(model, src, max_len=max_lengths(src, config)) == [[3, 5], [3] * 7]
     assert model.rows == [2, 2, 2, 1, 1, 1, 1]
 
 
@@ -263,7 +262,7 @@ def same(got: list[Hypothesis], expected: list[Hypothesis]) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_beam_one_equals_greedy(seed: int) -> None:
     model, src = tiny_model(seed), random_batch(seed)
-    limit = max_lengths(src, CONFIG, PAD)
+    limit = max_lengths(src, CONFIG)
     greedy = search(model, src, replace(CONFIG, beam_size=1))
     tokens = greedy_search(model, src, max_len=limit)
     assert [h[0].tokens for h in greedy] == tokens
@@ -282,9 +281,9 @@ def test_beam_one_equals_greedy(seed: int) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_cached_search_equals_naive_full_prefix_search(seed: int) -> None:
     model, src = tiny_model(seed), random_batch(seed)
-    limit = max_lengths(src, CONFIG, PAD).tolist()
+    limit = max_lengths(src, CONFIG).tolist()
     config = replace(CONFIG, n_best=2)
-    greedy = greedy_search(model, src, max_len=max_lengths(src, CONFIG, PAD))
+    greedy = greedy_search(model, src, max_len=max_lengths(src, CONFIG))
     beams = beam_search(model, src, config)
     with torch.inference_mode():
         for i, n in enumerate(limit):
@@ -300,11 +299,11 @@ def test_batched_equals_one_at_a_time(seed: int) -> None:
     model, src = tiny_model(seed), random_batch(seed)
     config = replace(CONFIG, n_best=3)
     batched = beam_search(model, src, config)
-    greedy = greedy_search(model, src, max_len=max_lengths(src, config, PAD))
+    greedy = greedy_search(model, src, max_len=max_lengths(src, config))
     for i in range(src.size(0)):
         one = src[i : i + 1, : int((src[i] != PAD).sum())]
         same(batched[i], beam_search(model, one, config)[0])
-        assert greedy[i] == greedy_search(model, one, max_len=max_lengths(one, config, PAD))[0]
+        assert greedy[i] == greedy_search(model, one, max_len=max_lengths(one, config))[0]
         assert len(batched[i]) == 3
         assert [h.score for h in batched[i]] == sorted((h.score for h in batched[i]), reverse=True)
     reversed_order = beam_search(model, src.flip(0), config)
@@ -316,7 +315,7 @@ def test_batched_equals_one_at_a_time(seed: int) -> None:
 def test_maximum_length_is_respected(kind: str) -> None:
     model, src = tiny_model(0), random_batch(0)
     config = SearchConfig(beam_size=4, n_best=4, max_len_a=0.5, max_len_b=2, length_penalty=kind)
-    limit = max_lengths(src, config, PAD).tolist()  # floor(n / 2) + 2
+    limit = max_lengths(src, config).tolist()  # floor(n / 2) + 2
     assert limit == [4, 2, 5, 3, 5, 3, 4]
     for hyps, n in zip(search(model, src, config), limit):
         assert all(len(h.tokens) <= n for h in hyps)
@@ -324,13 +323,32 @@ def test_maximum_length_is_respected(kind: str) -> None:
         assert len(tokens) <= n
 
 
-def test_no_eos_gives_exactly_max_len_tokens() -> None:
-    model, src = tiny_model(1), random_batch(1)
-    assert all(len(t) == 24 for t in greedy_search(model, src, max_len=24, no_eos=True))
-    for hyps in beam_search(model, src, CONFIG, max_len=24, no_eos=True):
+class NoEos(nn.Module):
+    """A model that never ends a sentence (as speed benchmarks use): EOS gets no probability."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def encode(self, src: Tensor) -> Memory:
+        return self.model.encode(src)
+
+    def new_cache(self, memory: Memory, max_len: int):
+        return self.model.new_cache(memory, max_len)
+
+    def decode(self, tgt_in: Tensor, memory: Memory | None, cache=None) -> Tensor:
+        logits = self.model.decode(tgt_in, memory, cache)
+        logits[..., E] = -math.inf
+        return logits
+
+
+def test_a_sentence_without_eos_runs_to_exactly_its_maximum_length() -> None:
+    model, src = NoEos(tiny_model(1)), random_batch(1)
+    assert all(len(t) == 24 for t in greedy_search(model, src, max_len=24))
+    for hyps in beam_search(model, src, CONFIG, max_len=24):
         assert len(hyps[0].tokens) == 24 and E not in hyps[0].tokens
-    limit = max_lengths(src, CONFIG, PAD)
-    for hyps, n in zip(search(model, src, CONFIG, no_eos=True), limit.tolist()):
+    limit = max_lengths(src, CONFIG)
+    for hyps, n in zip(search(model, src, CONFIG), limit.tolist()):
         assert len(hyps[0].tokens) == n
 
 

@@ -7,8 +7,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from aiayn.tokenizer import JOINT_FILE, SRC_FILE, TGT_FILE, Tokenizer
+from aiayn.tokenizer import BOS_ID, EOS_ID, JOINT_FILE, PAD_ID, SRC_FILE, TGT_FILE, UNK_ID, Tokenizer
 
 EN_SUBJECTS = ["A man", "The woman", "Two dogs", "A little girl", "The old fisherman", "Three children"]
 EN_VERBS = ["is walking", "runs", "sits", "is playing", "jumps", "looks"]

@@ -6,15 +6,17 @@ import math
 
 import pytest
 import torch
+from conftest import run_train
 
 from aiayn import checkpoint
+from aiayn import run as run_module
 from aiayn import train as train_module
-from aiayn.config import BOS_ID, PAD_ID, TrainConfig, preset
-from aiayn.data import collate, make_batches
+from aiayn.config import TrainConfig, preset
+from aiayn.data import Corpus, collate, make_batches
 from aiayn.model import Transformer
 from aiayn.synthetic import generate
-from aiayn.tokenizer import Tokenizer
-from aiayn.train import Corpus, label_smoothed_loss, learning_rate, make_optimizer, train
+from aiayn.tokenizer import PAD_ID, Tokenizer
+from aiayn.train import label_smoothed_loss, learning_rate, make_optimizer
 from aiayn.translate import Translator
 
 CPU = torch.device("cpu")
@@ -48,7 +50,7 @@ def test_label_smoothed_loss_equals_hand_computation(eps):
     target = torch.tensor(
         [[4, 7, 2, PAD_ID, PAD_ID], [5, 5, 9, 10, 2], [3, 2, PAD_ID, PAD_ID, PAD_ID]]
     )  # (B, T), padded at the end as collate makes it
-    loss, nll = label_smoothed_loss(logits, target, eps, PAD_ID)
+    loss, nll = label_smoothed_loss(logits, target, eps)
     want_loss, want_nll = hand_smoothed_loss(logits, target, eps, PAD_ID)
     assert loss.item() == pytest.approx(want_loss, rel=1e-5)
     assert nll.item() == pytest.approx(want_nll, rel=1e-5)
@@ -61,7 +63,7 @@ def test_label_smoothed_loss_ignores_padded_positions():
     logits = torch.randn(2, 6, 13, requires_grad=True)
     target = torch.tensor([[3, 8, 12, 2, PAD_ID, PAD_ID], [7, 2, PAD_ID, PAD_ID, PAD_ID, PAD_ID]])
     pad = target == PAD_ID
-    loss, nll = label_smoothed_loss(logits, target, 0.1, PAD_ID)
+    loss, nll = label_smoothed_loss(logits, target, 0.1)
     loss.backward()
     # No gradient reaches a padded position: it does not take part in the loss at all.
     assert logits.grad[pad].abs().max() == 0
@@ -69,7 +71,7 @@ def test_label_smoothed_loss_ignores_padded_positions():
 
     changed = logits.detach().clone()
     changed[pad] = torch.randn(int(pad.sum()), 13) * 100 + 50  # arbitrary, huge values
-    loss2, nll2 = label_smoothed_loss(changed, target, 0.1, PAD_ID)
+    loss2, nll2 = label_smoothed_loss(changed, target, 0.1)
     assert torch.equal(loss2, loss.detach()) and torch.equal(nll2, nll)
 
 
@@ -77,7 +79,7 @@ def test_label_smoothed_loss_accepts_bf16_logits_and_sums_in_fp32():
     torch.manual_seed(2)
     logits = torch.randn(2, 4, 9).bfloat16()
     target = torch.tensor([[1, 4, 2, PAD_ID], [5, 6, 7, 2]])
-    loss, _ = label_smoothed_loss(logits, target, 0.1, PAD_ID)
+    loss, _ = label_smoothed_loss(logits, target, 0.1)
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(hand_smoothed_loss(logits.float(), target, 0.1, PAD_ID)[0], rel=1e-5)
 
@@ -119,7 +121,7 @@ def test_optimizer_is_adam_with_the_papers_hyperparameters():
 def data():
     src, tgt = generate(64, seed=0)
     tokenizer = Tokenizer.train(src, tgt, vocab_size=300)
-    corpus = Corpus(tokenizer.encode_src(src[:60]), tokenizer.encode_tgt(tgt[:60]), src[60:], tgt[60:])
+    corpus = Corpus(src[:60], tgt[:60], src[60:], tgt[60:])
     return tokenizer, corpus
 
 
@@ -180,14 +182,12 @@ def test_accumulated_update_equals_one_big_batch(data, tmp_path, monkeypatch):
         return recorders[-1]
 
     monkeypatch.setattr(train_module, "make_optimizer", make_recorder)
-    train(
+    run_train(
         tmp_path / "run",
         model_config,
         cfg,
         tokenizer,
-        Corpus(corpus.src_ids, corpus.tgt_ids, [], []),
-        device=CPU,
-        progress=False,
+        Corpus(corpus.train_src, corpus.train_tgt),
     )
     (recorder,) = recorders
     assert len(recorder.grads) == updates  # one optimizer step per update, not per micro-batch
@@ -198,15 +198,16 @@ def test_accumulated_update_equals_one_big_batch(data, tmp_path, monkeypatch):
 
     torch.manual_seed(cfg.seed)  # train() seeds, then builds the model: the same initial weights
     reference = Transformer(model_config)
-    src_lens, tgt_lens = [len(x) for x in corpus.src_ids], [len(x) for x in corpus.tgt_ids]
+    src_ids, tgt_ids = tokenizer.encode_src(corpus.train_src), tokenizer.encode_tgt(corpus.train_tgt)
+    src_lens, tgt_lens = [len(x) for x in src_ids], [len(x) for x in tgt_ids]
     batches = make_batches(src_lens, tgt_lens, max_tokens, seed=cfg.seed, epoch=0)
     for update in range(updates):
         group = batches[update * k : (update + 1) * k]
         tokens = [sum(tgt_lens[i] for i in b) for b in group]
         assert len(set(tokens)) > 1  # unequal micro-batches: dividing per micro-batch would be caught
-        src, tgt_in, tgt_out = collate(corpus.src_ids, corpus.tgt_ids, sum(group, []), PAD_ID, BOS_ID)
+        src, tgt_in, tgt_out = collate(src_ids, tgt_ids, sum(group, []))
         reference.zero_grad()
-        loss, _ = label_smoothed_loss(reference(src, tgt_in), tgt_out, cfg.label_smoothing, PAD_ID)
+        loss, _ = label_smoothed_loss(reference(src, tgt_in), tgt_out, cfg.label_smoothing)
         (loss / sum(tokens)).backward()
         for p, got in zip(reference.parameters(), recorder.grads[update]):
             torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-7)
@@ -229,21 +230,19 @@ def uninterrupted(data, tmp_path_factory):
     """12 updates in one go (several epochs), validating and checkpointing every 4; dropout on."""
     tokenizer, corpus = data
     out = tmp_path_factory.mktemp("uninterrupted")
-    result = train(
+    result = run_train(
         out,
         small_model(tokenizer, dropout=0.1),
         TrainConfig(max_updates=12, **RESUME_CONFIG),
         tokenizer,
         corpus,
-        device=CPU,
-        progress=False,
     )
     return out, result
 
 
 def test_runs_several_epochs(data, uninterrupted):
     out, result = uninterrupted
-    assert result["step"] == 12 and result["reason"] == "max_updates"
+    assert result.step == 12 and result.stop.reason == "max_updates"
     epochs = {r["epoch"] for r in read_metrics(out) if "epoch" in r}
     assert len(epochs) >= 2  # the resume tests below cross an epoch boundary
 
@@ -253,28 +252,24 @@ def test_resume_reaches_the_same_weights_bit_for_bit(data, uninterrupted, tmp_pa
     tokenizer, corpus = data
     model_config = small_model(tokenizer, dropout=0.1)
     out = tmp_path / "run"
-    first = train(
+    first = run_train(
         out,
         model_config,
         TrainConfig(max_updates=stop_at, **RESUME_CONFIG),
         tokenizer,
         corpus,
-        device=CPU,
-        progress=False,
     )
-    assert first["step"] == stop_at
+    assert first.step == stop_at
     assert checkpoint.list_checkpoints(out)[-1].name == f"step_{stop_at:08d}"
-    second = train(
+    second = run_train(
         out,
         model_config,
         TrainConfig(max_updates=12, **RESUME_CONFIG),
         tokenizer,
         corpus,
-        resume=True,
-        device=CPU,
-        progress=False,
+        mode="resume",
     )
-    assert second["step"] == 12
+    assert second.step == 12
     assert any(r.get("event") == "resume" and r["step"] == stop_at for r in read_metrics(out))
 
     expected_dir, _ = uninterrupted
@@ -285,8 +280,11 @@ def test_resume_reaches_the_same_weights_bit_for_bit(data, uninterrupted, tmp_pa
     for name in want:
         assert torch.equal(got[name], want[name]), name
     want_state, got_state = checkpoint.load_state(want_last), checkpoint.load_state(got_last)
-    for key in ("step", "epoch", "batch", "best_bleu", "bad_validations"):
+    for key in ("step", "epoch", "batch", "bad_validations"):
         assert got_state["progress"][key] == want_state["progress"][key], key
+    # A run stopped between validations validated once more as it stopped: its best can only be better.
+    want_best, got_best = want_state["progress"]["best_bleu"], got_state["progress"]["best_bleu"]
+    assert got_best == want_best if stop_at % RESUME_CONFIG["valid_every"] == 0 else got_best >= want_best
     for i, slot in want_state["optimizer"]["state"].items():  # Adam moments too
         for name, value in slot.items():
             assert torch.equal(got_state["optimizer"]["state"][i][name], value), (i, name)
@@ -298,25 +296,21 @@ def test_resume_test_fails_without_rng_restore(data, uninterrupted, tmp_path, mo
     tokenizer, corpus = data
     model_config = small_model(tokenizer, dropout=0.1)
     out = tmp_path / "run"
-    train(
+    run_train(
         out,
         model_config,
         TrainConfig(max_updates=8, **RESUME_CONFIG),
         tokenizer,
         corpus,
-        device=CPU,
-        progress=False,
     )
-    monkeypatch.setattr(train_module, "set_rng_state", lambda state: None)
-    train(
+    monkeypatch.setattr(run_module, "set_rng_state", lambda state: None)
+    run_train(
         out,
         model_config,
         TrainConfig(max_updates=12, **RESUME_CONFIG),
         tokenizer,
         corpus,
-        resume=True,
-        device=CPU,
-        progress=False,
+        mode="resume",
     )
     want = weights(checkpoint.list_checkpoints(uninterrupted[0])[-1])
     got = weights(checkpoint.list_checkpoints(out)[-1])
@@ -328,17 +322,17 @@ def test_resuming_a_finished_run_takes_no_extra_update(data, uninterrupted, tmp_
     out = tmp_path / "run"
     cfg = TrainConfig(max_updates=4, **RESUME_CONFIG)
     model_config = small_model(tokenizer, dropout=0.1)
-    train(out, model_config, cfg, tokenizer, corpus, device=CPU, progress=False)
+    run_train(out, model_config, cfg, tokenizer, corpus)
     before = weights(checkpoint.list_checkpoints(out)[-1])
-    result = train(out, model_config, cfg, tokenizer, corpus, resume=True, device=CPU, progress=False)
-    assert result["step"] == 4
+    result = run_train(out, model_config, cfg, tokenizer, corpus, mode="resume")
+    assert result.step == 4
     assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000004"]
     after = weights(checkpoint.list_checkpoints(out)[-1])
     assert all(torch.equal(after[name], before[name]) for name in before)
     # The same for a time budget already spent.
     timed = TrainConfig(max_minutes=1e-9, **RESUME_CONFIG)
-    result = train(out, model_config, timed, tokenizer, corpus, resume=True, device=CPU, progress=False)
-    assert result == {**result, "step": 4, "reason": "max_minutes"}
+    result = run_train(out, model_config, timed, tokenizer, corpus, mode="resume")
+    assert (result.step, result.stop.reason) == (4, "max_minutes")
     assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000004"]
 
 
@@ -354,13 +348,19 @@ def test_metrics_jsonl_has_loss_and_validation_records(uninterrupted):
     for r in valid:
         assert 0 <= r["valid_bleu"] <= 100 and math.isfinite(r["valid_loss"])
         assert 1 < r["valid_ppl"] < 300  # exp(NLL per token), below the vocabulary size once trained a bit
-    assert result["best_bleu"] == max(r["valid_bleu"] for r in valid)
-    assert records[-1] == {"event": "stop", **{k: result[k] for k in ("reason", "step", "best_bleu")}}
+    assert result.best_bleu == max(r["valid_bleu"] for r in valid)
+    assert records[-1] == {
+        "event": "stop",
+        "reason": "max_updates",
+        "step": 12,
+        "best_bleu": result.best_bleu,
+    }
 
 
-def test_keep_last_prunes_old_checkpoints_and_out_stays_loadable(data, uninterrupted):
-    out, _ = uninterrupted
-    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000008", "step_00000012"]
+def test_keep_last_prunes_old_checkpoints_but_the_best_and_out_stays_loadable(data, uninterrupted):
+    out, result = uninterrupted
+    best = {f"step_{result.model_step:08d}"}  # OUT's model: its checkpoint is never pruned
+    assert {p.name for p in checkpoint.list_checkpoints(out)} == {"step_00000008", "step_00000012"} | best
     assert not [p for p in (out / checkpoint.CHECKPOINTS).iterdir() if p.name.startswith(".")]
     tokenizer, corpus = data
     translator = Translator.load(out, device="cpu")  # OUT holds the best model by validation BLEU
@@ -370,12 +370,10 @@ def test_keep_last_prunes_old_checkpoints_and_out_stays_loadable(data, uninterru
 def test_train_refuses_a_corpus_with_nothing_short_enough(data, tmp_path):
     tokenizer, corpus = data
     with pytest.raises(ValueError, match="max_len=3"):
-        train(
+        run_train(
             tmp_path,
             small_model(tokenizer, 0.0),
             TrainConfig(max_len=3),
             tokenizer,
             corpus,
-            device=CPU,
-            progress=False,
         )

@@ -4,10 +4,11 @@ output against a naive full-prefix decoder written here, n-best lists, and vocab
 import pytest
 import torch
 
-from aiayn.config import BOS_ID, EOS_ID, SearchConfig, preset
+from aiayn.config import SearchConfig, preset
 from aiayn.model import Transformer
+from aiayn.precision import for_inference
 from aiayn.synthetic import generate
-from aiayn.tokenizer import Tokenizer
+from aiayn.tokenizer import BOS_ID, EOS_ID, Tokenizer
 from aiayn.translate import Translator
 
 SRC, TGT = generate(120, seed=2)
@@ -117,7 +118,7 @@ def test_bf16_gives_one_line_per_input(model, tokenizer):
 def test_int8_quantises_every_linear_and_stays_close_to_fp32(model, tokenizer):
     """Dynamic int8: every projection (attention, feed-forward, output) holds int8 weights, the float
     model is left as it was, and the log-probabilities stay close to fp32's."""
-    int8 = Translator(model, tokenizer, SearchConfig(beam_size=2), dtype="int8")
+    int8 = Translator(for_inference(model, "int8"), tokenizer, SearchConfig(beam_size=2), dtype="int8")
     linears = [m for m in int8.model.modules() if type(m) is torch.nn.Linear]
     quantised = [m for m in int8.model.modules() if type(m) is torch.ao.nn.quantized.dynamic.Linear]
     assert not linears and len(quantised) == sum(type(m) is torch.nn.Linear for m in model.modules())
@@ -129,6 +130,11 @@ def test_int8_quantises_every_linear_and_stays_close_to_fp32(model, tokenizer):
         exact, approx = model(src, tgt_in).log_softmax(-1), int8.model(src, tgt_in).log_softmax(-1)
     assert (exact - approx).abs().max() < 0.1
     assert not torch.equal(exact, approx)  # it really is another computation
+
+
+def test_int8_needs_a_model_prepared_for_it(model, tokenizer):
+    with pytest.raises(ValueError, match="for_inference"):
+        Translator(model, tokenizer, dtype="int8")
 
 
 def test_translator_refuses_a_tokenizer_of_another_vocabulary(model, tokenizer):

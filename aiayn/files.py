@@ -1,0 +1,130 @@
+"""Writing results safely: a file or a set of files appears whole or not at all, and an output path is
+checked before the work that fills it.
+
+Every file is written under a temporary name beside its final one, fsynced, then renamed over it, so a
+kill at any moment leaves either the old file or the new one. `write_set` extends this to several files
+whose last one (a model directory's config.json) is what readers look for first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TMP_SUFFIX = ".tmp"  # every temporary file or directory this package makes ends so and starts with "."
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
+    """Call write(tmp) on a temporary file beside `path`, fsync it, then rename it over `path`."""
+    path = Path(path)
+    tmp = stage(path, write)
+    try:
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def stage(path: Path, write: Callable[[Path], Any]) -> Path:
+    """write(tmp) into a fsynced temporary file beside `path`, readable by others; returns tmp."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        tmp.chmod(0o644)  # mkstemp makes it private; models and translations are not secrets
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_set(
+    directory: Path, files: dict[str, Callable[[Path], Any]], last: str, stale: tuple[str, ...] = ()
+) -> None:
+    """Write several files of `directory` so that a reader never sees a mix of old and new.
+
+    Readers find the set by its `last` file. Every file is first staged under a temporary name; then
+    `last` is removed (the old set stops being one), the others are renamed into place, the names in
+    `stale` removed, and `last` renamed in place of its old self. A kill while staging leaves the old set
+    whole; a kill during the renames (microseconds) leaves no set, which readers refuse, never a mix.
+    """
+    assert last in files
+    staged: dict[str, Path] = {}
+    try:
+        for name, write in files.items():
+            staged[name] = stage(directory / name, write)
+        (directory / last).unlink(missing_ok=True)
+        fsync_dir(directory)
+        for name, tmp in staged.items():
+            if name != last:
+                os.replace(tmp, directory / name)
+        for name in stale:
+            (directory / name).unlink(missing_ok=True)
+        fsync_dir(directory)
+        os.replace(staged[last], directory / last)
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_temporaries(directory: Path) -> list[Path]:
+    """Delete the temporary files and directories a killed writer left in `directory`; returns them."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(TMP_SUFFIX)]
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return found
+
+
+def check_writable_file(path: str | Path, what: str = "output") -> Path:
+    """Refuse, before any work, an output file that could not be written: ValueError naming it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory; the {what} must be a file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{path}: the directory {parent} does not exist (create it first)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: the directory {parent} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{path}: the file exists and is not writable")
+    return path
+
+
+def check_writable_dir(path: str | Path, what: str = "output directory") -> Path:
+    """Refuse, before any work, a directory that could not be created or written: ValueError naming it."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path}: exists and is not a directory; the {what} must be a directory")
+    existing = path
+    while not existing.exists():  # the nearest ancestor that exists must let us create the rest
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: {existing} is not writable")
+    return path

@@ -1,0 +1,301 @@
+"""The run directory OUT of one training run: whether training starts fresh, resumes or replaces a run,
+what a resume must share with the run it continues, and what a running run writes there (checkpoints,
+the best model, metrics, TensorBoard, progress), timed by one clock.
+
+OUT holds a model directory (config.json, model.safetensors, tokenizer) once the run has validated,
+plus run.json (the settings a resume must share), train.json, metrics.jsonl, checkpoints/ and,
+when asked for, tensorboard/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm import tqdm
+
+from aiayn import checkpoint
+from aiayn.config import ModelConfig, TrainConfig, save_json
+from aiayn.files import atomic_write, check_writable_dir, remove_temporaries
+from aiayn.model import Transformer
+from aiayn.tokenizer import JOINT_FILE, SRC_FILE, TGT_FILE, Tokenizer
+
+RUN_FILE, METRICS, TENSORBOARD = "run.json", "metrics.jsonl", "tensorboard"
+# What makes OUT hold a run (or a model): a new run refuses such a directory without --force.
+RUN_FILES = (
+    checkpoint.CONFIG, checkpoint.WEIGHTS, checkpoint.TRAIN_CONFIG, checkpoint.CHECKPOINTS, RUN_FILE, METRICS,
+    TENSORBOARD, JOINT_FILE, SRC_FILE, TGT_FILE,
+)  # fmt: skip
+
+Mode = Literal["new", "resume", "force"]
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint so a resumed run continues exactly."""
+
+    step: int = 0  # updates done
+    epoch: int = 0  # current epoch (0-based)
+    batch: int = 0  # next micro-batch of this epoch
+    best_bleu: float = -1.0
+    bad_validations: int = 0  # validations since the best BLEU
+    minutes: float = 0.0  # training time before this process
+    best_step: int = -1  # the update whose weights OUT holds as its model; -1: none yet
+    validated_step: int = -1  # the last update validated
+    metrics_bytes: int = -1  # the length of metrics.jsonl when this was saved; -1: unknown
+
+
+class Run:
+    """One training run in OUT. `Run.open` alone decides whether it starts fresh, resumes or replaces
+    the run OUT holds; `begin` prepares OUT accordingly once every input has been checked."""
+
+    def __init__(
+        self, out: Path, start: Literal["fresh", "resume", "replace"], progress: bool, tensorboard: bool
+    ):
+        self.out = out
+        self.start = start
+        self.progress = progress
+        self.tensorboard = tensorboard
+        self.writer: Any = None  # TensorBoard's SummaryWriter while the run is open
+        self.bar: tqdm | None = None
+        self.minutes_before = 0.0
+        self.clock = time.monotonic()
+        self.tokens, self.tick = 0, self.clock  # target tokens since the last throughput figure
+        self.tokenizer: Tokenizer | None = None
+        self.train_config: TrainConfig | None = None
+
+    # --- Deciding (nothing is written) --------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls, out: str | Path, mode: Mode = "new", progress: bool = True, tensorboard: bool = False
+    ) -> Run:
+        """new: OUT must not hold a run; resume: continue OUT's last checkpoint (a run with none yet
+        starts over); force: replace what OUT holds, once the new run's inputs have been checked."""
+        out = check_writable_dir(out, "run directory")
+        held = [name for name in RUN_FILES if (out / name).exists()]
+        has_checkpoint = bool(checkpoint.list_checkpoints(out))
+        if mode == "resume" and has_checkpoint:
+            for name in (checkpoint.CONFIG, checkpoint.TRAIN_CONFIG):
+                if not (checkpoint.list_checkpoints(out)[-1] / name).is_file():
+                    raise ValueError(f"{checkpoint.list_checkpoints(out)[-1]}: not a complete checkpoint")
+            start = "resume"
+        elif mode == "resume":
+            if (out / checkpoint.CONFIG).exists():  # a model, but nothing of a run to continue
+                raise ValueError(
+                    f"{out} holds a model but no checkpoint to resume from: use --force to start over"
+                )
+            start = "replace" if held else "fresh"  # killed before its first checkpoint: nothing to lose
+        elif mode == "force":
+            start = "replace" if held else "fresh"
+        elif held:
+            raise ValueError(
+                f"{out} already holds a run ({', '.join(held)}): use --resume to continue it or --force to "
+                "start over"
+            )
+        else:
+            start = "fresh"
+        return cls(out, start, progress, tensorboard)
+
+    @property
+    def resuming(self) -> bool:
+        return self.start == "resume"
+
+    def last_checkpoint(self) -> Path:
+        return checkpoint.list_checkpoints(self.out)[-1]
+
+    def saved_tokenizer(self) -> Tokenizer:
+        """The tokenizer of the run being resumed."""
+        return Tokenizer.load(self.last_checkpoint())
+
+    def saved_model_config(self) -> ModelConfig:
+        return checkpoint.load_model_config(self.last_checkpoint())
+
+    # --- Beginning (OUT is changed from here on) ----------------------------------------------------
+
+    def begin(
+        self,
+        settings: dict[str, Any],
+        model: Transformer,
+        optimizer: torch.optim.Optimizer,
+        tokenizer: Tokenizer,
+        train_config: TrainConfig,
+    ) -> Progress:
+        """Prepare OUT: a resume checks `settings` against the run's own and loads its last checkpoint
+        into model and optimizer (and the RNG); a replacement removes the old run first. -> Progress."""
+        self.tokenizer, self.train_config = tokenizer, train_config
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = Progress()
+        if self.resuming:
+            last = self.last_checkpoint()
+            self.check_settings(settings, last)
+            saved = checkpoint.load_state(last)
+            checkpoint.load_weights(model, last / checkpoint.WEIGHTS)
+            try:
+                optimizer.load_state_dict(saved["optimizer"])
+                state = Progress(**saved["progress"])
+                set_rng_state(saved["rng"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"{last / checkpoint.STATE}: does not fit this model ({e})") from None
+            self.truncate_metrics(state.metrics_bytes)
+        elif self.start == "replace":
+            self.remove_run()
+        for directory in (self.out, self.out / checkpoint.CHECKPOINTS):
+            remove_temporaries(directory)  # what a killed save left behind
+        atomic_write(self.out / RUN_FILE, lambda p: p.write_text(json.dumps(settings, indent=1) + "\n"))
+        atomic_write(self.out / checkpoint.TRAIN_CONFIG, lambda p: save_json(train_config, p))
+        self.minutes_before = state.minutes
+        self.clock = self.tick = time.monotonic()
+        self.open_writers()
+        if self.resuming:
+            self.log(
+                {"event": "resume", "checkpoint": str(self.last_checkpoint()), **asdict(state)}, echo=True
+            )
+        return state
+
+    def check_settings(self, settings: dict[str, Any], last: Path) -> None:
+        """Refuse a resume whose settings differ from those the run started with, naming each.
+
+        settings: flat {name: JSON value}; "model.X" and "train.X" name fields of the model and training
+        configs, which a run made before run.json existed is checked on from its last checkpoint.
+        """
+        settings = json.loads(json.dumps(settings))  # as run.json holds them (tuples as lists, ...)
+        path = self.out / RUN_FILE
+        if path.is_file():
+            saved = json.loads(path.read_text())
+        else:
+            model = asdict(checkpoint.load_model_config(last))
+            train = json.loads((last / checkpoint.TRAIN_CONFIG).read_text())
+            saved = {f"model.{k}": v for k, v in model.items()} | {f"train.{k}": v for k, v in train.items()}
+        differ = [
+            f"{key}: {describe(saved[key])} in {self.out}, {describe(settings.get(key))} now"
+            for key in sorted(saved)
+            if key in settings and saved[key] != settings[key]
+        ]
+        if differ:
+            raise ValueError(
+                f"cannot resume {self.out} with other settings than it started with ({'; '.join(differ)}); "
+                "use the same ones, or --force to start a new run there"
+            )
+
+    def remove_run(self) -> None:
+        """Remove what the replaced run left in OUT; its model goes first, so OUT is never half of it."""
+        for name in (checkpoint.CONFIG, *RUN_FILES):
+            path = self.out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
+    def truncate_metrics(self, length: int) -> None:
+        """Drop the records a killed run wrote after its last checkpoint (they are about to be redone)."""
+        path = self.out / METRICS
+        if length >= 0 and path.is_file() and path.stat().st_size > length:
+            os.truncate(path, length)
+
+    def open_writers(self) -> None:
+        self.bar = tqdm(
+            desc="train",
+            unit="upd",
+            disable=not self.progress,
+            dynamic_ncols=True,
+            mininterval=1 if sys.stderr.isatty() else 30,
+        )
+        if not self.tensorboard:
+            return
+        if importlib.util.find_spec("tensorboard") is None:
+            print(
+                "aiayn: TensorBoard was asked for but is not installed (pip install 'aiayn[tensorboard]'); "
+                f"the same numbers are in {self.out / METRICS}",
+                file=sys.stderr,
+            )
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.out / TENSORBOARD))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    # --- Running ------------------------------------------------------------------------------------
+
+    def minutes(self) -> float:
+        """Training minutes of the whole run, across resumes: the one clock."""
+        return self.minutes_before + (time.monotonic() - self.clock) / 60
+
+    def log(self, record: dict[str, Any], echo: bool = False) -> None:
+        """Append to OUT/metrics.jsonl; numbers also go to TensorBoard; echo: also to the terminal."""
+        with open(self.out / METRICS, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None and "step" in record:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "epoch"):
+                    self.writer.add_scalar(key, value, record["step"])
+        if echo and self.progress:
+            tqdm.write(json.dumps(record), file=sys.stderr)
+
+    def say(self, text: str) -> None:
+        if self.progress:
+            tqdm.write(text, file=sys.stderr)
+
+    def update(self, state: Progress, loss: float, lr: float, n_tokens: int) -> None:
+        """After an update: the progress bar and, every 10 updates, a training record."""
+        self.bar.update(1)
+        self.tokens += n_tokens
+        if state.step % 10:
+            return
+        rate = self.tokens / max(time.monotonic() - self.tick, 1e-9)
+        self.bar.set_postfix(
+            epoch=state.epoch + 1, loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", refresh=False
+        )
+        record = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr, "tokens_per_s": rate}
+        self.log({**record, "minutes": self.minutes()})
+        self.tokens, self.tick = 0, time.monotonic()
+
+    def save_checkpoint(self, model: Transformer, optimizer: torch.optim.Optimizer, state: Progress) -> Path:
+        """OUT/checkpoints/step_N with everything a resume needs; older ones pruned, the best one kept."""
+        saved = dataclasses.replace(state, minutes=self.minutes(), metrics_bytes=self.metrics_length())
+        payload = {"optimizer": optimizer.state_dict(), "progress": asdict(saved), "rng": rng_state()}
+        path = checkpoint.save_checkpoint(
+            self.out, state.step, model, self.tokenizer, self.train_config, payload
+        )
+        best = checkpoint.checkpoint_path(self.out, state.best_step) if state.best_step >= 0 else None
+        checkpoint.prune_checkpoints(self.out, self.train_config.keep_last, keep=best)
+        return path
+
+    def save_model(self, model: Transformer) -> None:
+        """OUT's model directory: the weights to translate with."""
+        checkpoint.save_model(self.out, model, self.tokenizer)
+
+    def metrics_length(self) -> int:
+        path = self.out / METRICS
+        return path.stat().st_size if path.is_file() else 0
+
+
+def describe(value: Any) -> str:
+    return "(not set)" if value is None else json.dumps(value, sort_keys=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """The random state training consumes (dropout); data order comes from (seed, epoch) alone."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
