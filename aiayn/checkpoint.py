@@ -17,6 +17,7 @@ import struct
 import tempfile
 import zipfile
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import safetensors
@@ -33,13 +34,15 @@ CHECKPOINTS = "checkpoints"
 
 # Names of model directories written before the special ids left ModelConfig and the layer norms left
 # their Residual wrappers; such directories still load.
-_LEGACY_IDS = {"pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID}
-_LEGACY_NAMES = {
-    "res_attn.norm.": "self_attn_norm.",
-    "res_self.norm.": "self_attn_norm.",
-    "res_cross.norm.": "cross_attn_norm.",
-    "res_ff.norm.": "feed_forward_norm.",
-}
+_LEGACY_IDS = MappingProxyType({"pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID})
+_LEGACY_NAMES = MappingProxyType(
+    {
+        "res_attn.norm.": "self_attn_norm.",
+        "res_self.norm.": "self_attn_norm.",
+        "res_cross.norm.": "cross_attn_norm.",
+        "res_ff.norm.": "feed_forward_norm.",
+    }
+)
 
 
 # --- Weights --------------------------------------------------------------------------------------

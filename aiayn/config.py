@@ -6,8 +6,10 @@ import dataclasses
 import json
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 from aiayn.precision import DEFAULT_DTYPE, TrainDtype
@@ -133,23 +135,27 @@ class SearchConfig:
             )
 
 
-def _model_preset(d_model: int, d_ff: int, n_heads: int, n_layers: int, dropout: float) -> dict[str, Any]:
-    return dict(
-        d_model=d_model,
-        d_ff=d_ff,
-        n_heads=n_heads,
-        n_encoder_layers=n_layers,
-        n_decoder_layers=n_layers,
-        dropout=dropout,
+def _model_preset(d_model: int, d_ff: int, n_heads: int, n_layers: int, dropout: float) -> Mapping[str, Any]:
+    return MappingProxyType(
+        dict(
+            d_model=d_model,
+            d_ff=d_ff,
+            n_heads=n_heads,
+            n_encoder_layers=n_layers,
+            n_decoder_layers=n_layers,
+            dropout=dropout,
+        )
     )
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": _model_preset(64, 128, 4, 2, 0.0),  # unit tests: seconds on a CPU
-    "small": _model_preset(256, 1024, 4, 3, 0.1),  # CPU training (the speed issue's `small`)
-    "base": _model_preset(512, 2048, 8, 6, 0.1),  # Table 3, base: 65M parameters
-    "big": _model_preset(1024, 4096, 16, 6, 0.3),  # Table 3, big: 213M parameters
-}
+PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "tiny": _model_preset(64, 128, 4, 2, 0.0),  # unit tests: seconds on a CPU
+        "small": _model_preset(256, 1024, 4, 3, 0.1),  # CPU training (the speed issue's `small`)
+        "base": _model_preset(512, 2048, 8, 6, 0.1),  # Table 3, base: 65M parameters
+        "big": _model_preset(1024, 4096, 16, 6, 0.3),  # Table 3, big: 213M parameters
+    }
+)
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:

@@ -16,11 +16,11 @@ from aiayn.tokenizer import Tokenizer
 from aiayn.train import train
 from aiayn.translate import Translator
 
-EXAMPLES = [  # not in the generated training data
+EXAMPLES = (  # not in the generated training data
     "The small dogs see a red bird.",
     "That tall woman carried my old books behind the river yesterday.",
     "Some happy children found this green key.",
-]
+)
 
 
 def run_demo(out: Path, minutes: float = 2.5) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def run_demo(out: Path, minutes: float = 2.5) -> dict[str, Any]:
     translator = Translator.load(model_dir)  # the best model by validation BLEU, beam 4
     result = evaluate(translator, valid_src, valid_tgt)
     print(f"\nvalidation {result['bleu_detail']}  (beam 4, alpha 0.6)", file=sys.stderr)
-    for source, target in zip(EXAMPLES, translator.translate(EXAMPLES)):
+    for source, target in zip(EXAMPLES, translator.translate(list(EXAMPLES))):
         print(f"  {source}\n    -> {target}", file=sys.stderr)
     plots = [plot_curves(model_dir / "metrics.jsonl", out / "curves.png")]
     plots += plot_attention(translator, EXAMPLES[1], out)

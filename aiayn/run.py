@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import time
@@ -197,10 +196,16 @@ class Run:
                 path.unlink(missing_ok=True)
 
     def truncate_metrics(self, length: int) -> None:
-        """Drop the records a killed run wrote after its last checkpoint (they are about to be redone)."""
+        """Drop the records of the updates and validations after the last checkpoint, which the resumed
+        run redoes; the records of what happened to the run (it stopped, resumed) stay."""
         path = self.out / METRICS
-        if length >= 0 and path.is_file() and path.stat().st_size > length:
-            os.truncate(path, length)
+        if length < 0 or not path.is_file() or path.stat().st_size <= length:
+            return
+        with open(path, "rb") as f:
+            f.seek(length)
+            tail = f.read().decode("utf-8", errors="replace").splitlines(keepends=True)
+        kept = [line for line in tail if is_run_event(line)]
+        atomic_write(path, lambda tmp: tmp.write_bytes(path.read_bytes()[:length] + "".join(kept).encode()))
 
     def open_writers(self) -> None:
         self.bar = tqdm(
@@ -283,6 +288,15 @@ class Run:
     def metrics_length(self) -> int:
         path = self.out / METRICS
         return path.stat().st_size if path.is_file() else 0
+
+
+def is_run_event(line: str) -> bool:
+    """A metrics line about the run as a whole (stop, resume, data), not about an update it redoes."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:  # half written by a killed run
+        return False
+    return isinstance(record, dict) and record.get("event") in ("stop", "resume", "data")
 
 
 def describe(value: Any) -> str:

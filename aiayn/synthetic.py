@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import NamedTuple
 
 SRC_LANG, TGT_LANG = "en", "xx"
@@ -71,11 +72,11 @@ NOUNS = (  # 30 nouns, 15 of each gender
     Noun("car", "cars", "karn", "a"), Noun("song", "songs", "kant", "o"), Noun("door", "doors", "port", "a"),
     Noun("key", "keys", "klav", "o"), Noun("bridge", "bridges", "pont", "o"),
 )
-ADJECTIVES = {
+ADJECTIVES = MappingProxyType({
     "old": "grav", "young": "jun", "big": "mag", "small": "pik", "red": "rud", "blue": "blav",
     "green": "verd", "happy": "fel", "sad": "trist", "tall": "alt", "strong": "fort", "clever": "sag",
     "brave": "kor", "angry": "irk", "hungry": "famr",
-}
+})
 VERBS = (
     Verb("sees", "see", "saw", "vid"), Verb("likes", "like", "liked", "plak"),
     Verb("finds", "find", "found", "trov"), Verb("holds", "hold", "held", "ten"),
@@ -90,13 +91,15 @@ DETERMINERS = (
     Determiner("the", "the", "ta"), Determiner("a", "some", "un"), Determiner("this", "these", "ki"),
     Determiner("that", "those", "lo"), Determiner("my", "my", "mi"),
 )
-PREPOSITIONS = {"near": "bi", "in": "ine", "on": "sur", "under": "sub", "behind": "dor"}
-ADVERBS = {
+PREPOSITIONS = MappingProxyType({"near": "bi", "in": "ine", "on": "sur", "under": "sub", "behind": "dor"})
+ADVERBS = MappingProxyType({
     "today": "hoi", "yesterday": "ieri", "often": "spes", "quickly": "rapi", "slowly": "lenti",
     "again": "redo",
-}
+})
 # fmt: on
-AGREEMENT = {("a", False): "a", ("a", True): "ai", ("o", False): "o", ("o", True): "oi"}  # (gender, plural)
+AGREEMENT = MappingProxyType(
+    {("a", False): "a", ("a", True): "ai", ("o", False): "o", ("o", True): "oi"}
+)  # (gender, plural)
 NOUN_PLURAL, DETERMINER_PLURAL, PAST, OBJECT_MARKER = "en", "s", "ek", "ka"
 
 

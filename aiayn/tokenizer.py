@@ -7,6 +7,7 @@ import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal
 
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
@@ -18,7 +19,7 @@ from aiayn.files import write_text
 # source of these ids for the model, search and batching. The trainers give special tokens the first ids
 # in list order, and _check_specials makes sure of it after training and after loading.
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
-SPECIAL_TOKENS = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", UNK_ID: "<unk>"}
+SPECIAL_TOKENS = MappingProxyType({PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", UNK_ID: "<unk>"})
 JOINT_FILE = "tokenizer.json"
 SRC_FILE = "tokenizer.src.json"
 TGT_FILE = "tokenizer.tgt.json"

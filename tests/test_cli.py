@@ -1,10 +1,13 @@
 """A shrunken end-to-end run of the `aiayn` command line (train -> translate -> evaluate -> average),
 checked against the library and sacreBLEU, and its errors: exit code 2, one line, no traceback."""
 
+import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import sacrebleu
@@ -210,3 +213,106 @@ def test_the_installed_command_exits_2_without_traceback(corpus_prefix, tmp_path
     )
     assert_one_line_error(proc.returncode, proc.stderr, "unknown key 'nope'")
     assert proc.stdout == ""
+
+
+# --- What a new user met (issue 10) ------------------------------------------------------------------
+
+
+def test_the_stop_record_is_printed_once_on_stdout(corpus_prefix, tmp_path):
+    code, stdout, stderr = run(train_argv(corpus_prefix, tmp_path / "m", *TINY))
+    assert code == 0, stderr
+    assert stdout.count('"event": "stop"') == 1 and json.loads(stdout)["step"] == 2
+    assert f"{tmp_path / 'm'} holds the model of update 2" in stderr
+
+
+TINY = ["--preset", "tiny", "--vocab-size", 300, "--max-updates", 2, "--valid-fraction", 0.05]
+
+
+def test_separate_embeddings_over_one_vocabulary(corpus_prefix, tmp_path):
+    code, _, stderr = run(train_argv(corpus_prefix, tmp_path / "m", *TINY, "--set", "share_embeddings=false"))
+    assert code == 0, stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["share_embeddings"] is False and config["tie_output"] is True
+    code, _, stderr = run(
+        train_argv(corpus_prefix, tmp_path / "n", *TINY, "--separate-vocab", "--set", "share_embeddings=true")
+    )
+    assert_one_line_error(code, stderr, "share_embeddings=true needs one vocabulary")
+
+
+@pytest.mark.parametrize("key", ["eos_id", "pad_id", "bos_id"])
+def test_a_special_id_is_not_a_setting(corpus_prefix, tmp_path, key):
+    (tmp_path / "ids.yaml").write_text(f"{key}: 5\n")
+    for extra in (["--set", f"{key}=5"], ["--config", tmp_path / "ids.yaml"]):
+        code, _, stderr = run(train_argv(corpus_prefix, tmp_path / "m", *TINY, *extra))
+        assert_one_line_error(code, stderr, f"{key} is not a setting", "tokenizer")
+    assert not (tmp_path / "m").exists()
+
+
+def write_jsonl(path, src: list[str], tgt: list[str]):
+    rows = [json.dumps({"translation": {"en": s, "xx": t}}) for s, t in zip(src, tgt)]
+    path.write_text("".join(row + "\n" for row in rows))
+    return path
+
+
+def test_valid_hf_reads_the_validation_split(tmp_path):
+    """A local dataset with distinct splits: the best model must be chosen on validation data."""
+    src, tgt = generate(60, seed=8)
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    write_jsonl(dataset / "train.jsonl", src[:53], tgt[:53])
+    write_jsonl(dataset / "validation.jsonl", src[53:], tgt[53:])
+    quiet = ["--preset", "tiny", "--vocab-size", 300, "--max-updates", 1]
+    for extra in (["--valid", f"hf:{dataset}"], []):  # named, and the default for an hf: --train
+        out = tmp_path / f"run{len(extra)}"
+        code, _, stderr = run(train_argv(f"hf:{dataset}", out, *quiet, *extra))
+        assert code == 0, stderr
+        settings = json.loads((out / "run.json").read_text())
+        assert settings["train_data"].startswith("53 pairs") and settings["valid_data"].startswith("7 pairs")
+    files = [
+        "--data-files",
+        f"train={dataset / 'train.jsonl'}",
+        "--data-files",
+        f"validation={dataset / 'validation.jsonl'}",
+    ]
+    code, _, stderr = run(train_argv("hf:json", tmp_path / "json", *quiet, *files))
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "json" / "run.json").read_text())["valid_data"].startswith("7 pairs")
+
+
+def test_pipes_and_stdin_are_inputs(workdir, tmp_path, monkeypatch):
+    root, model, _, _ = workdir
+    lines = (root / "test.en").read_text(encoding="utf-8")
+    expected = run(["translate", model, "--input", root / "test.en", "--quiet"])[1]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    threading.Thread(target=lambda: fifo.write_text(lines, encoding="utf-8"), daemon=True).start()
+    assert run(["translate", model, "--input", fifo, "--quiet"])[1] == expected  # what <(...) gives
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
+    assert run(["translate", model, "--input", "-", "--quiet"])[1] == expected
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
+    code, stdout, _ = run(["evaluate", model, "--src", "-", "--ref", root / "test.xx", "--quiet"])
+    assert code == 0 and json.loads(stdout.splitlines()[-1])["sentences"] == lines.count("\n")
+    code, _, stderr = run(["evaluate", model, "--src", "-", "--ref", "-"])
+    assert_one_line_error(code, stderr, "cannot both be standard input")
+
+
+def test_tensorboard_when_asked_for(corpus_prefix, tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    code, _, stderr = run(train_argv(corpus_prefix, tmp_path / "m", *TINY, "--tensorboard"))
+    assert code == 0, stderr
+    assert list((tmp_path / "m" / "tensorboard").glob("events.out.tfevents.*"))
+    assert not (tmp_path / "n").exists()
+    code, _, stderr = run(train_argv(corpus_prefix, tmp_path / "n", *TINY))  # not asked: not written
+    assert code == 0 and not (tmp_path / "n" / "tensorboard").exists()
+
+
+def test_tensorboard_asked_for_but_missing_is_said_once(corpus_prefix, tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a)
+    )
+    code, _, stderr = run(train_argv(corpus_prefix, tmp_path / "m", *TINY, "--tensorboard"))
+    assert code == 0, stderr
+    assert (
+        stderr.count("TensorBoard was asked for but is not installed") == 1 and "aiayn[tensorboard]" in stderr
+    )
