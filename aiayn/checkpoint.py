@@ -75,6 +75,8 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{path}: not readable (permission denied)")
     try:
         tensors = safetensors.torch.load_file(str(path))
     except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as e:
@@ -217,7 +219,8 @@ def load_state(directory: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except _DAMAGED as e:
-        raise ValueError(f"{path}: cannot read training state ({type(e).__name__}: {e})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # torch's can run to a page
+        raise ValueError(f"{path}: cannot read training state ({type(e).__name__}: {first})") from None
     parts = {"optimizer": dict, "progress": dict, "rng": dict}
     if not isinstance(state, dict) or any(not isinstance(state.get(k), t) for k, t in parts.items()):
         raise ValueError(f"{path}: not a training state (expected {sorted(parts)})")
@@ -253,6 +256,8 @@ def average_checkpoints(directories: list[Path]) -> dict[str, torch.Tensor]:
 def average(out: str | Path, last: int, dest: str | Path, force: bool = False) -> Path:
     """Average the last N checkpoints of a training directory into a new model directory DEST."""
     out, dest = Path(out), Path(dest)
+    if not out.is_dir():
+        raise ValueError(f"{out}: not a directory (a run directory that `aiayn train --out` wrote)")
     if last < 1:  # checkpoints[-0:] would be all of them
         raise ValueError(f"the number of checkpoints to average must be at least 1, got {last}")
     checkpoints = list_checkpoints(out)

@@ -11,6 +11,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from aiayn.config import (
     split_overrides,
 )
 from aiayn.data import STDIN, input_path, read_lines
-from aiayn.files import check_writable_dir, check_writable_file, write_text
+from aiayn.files import check_writable_dir, check_writable_file, write_output
 from aiayn.precision import DEFAULT_DTYPE
 
 
@@ -152,10 +153,10 @@ def as_lines(texts: list[str]) -> str:
 def cmd_translate(args: argparse.Namespace) -> None:
     search_config = search_config_from(args, args.n_best)
     source = input_path(args.input or STDIN)
-    if args.output:
+    if args.output is not None:
         check_writable_file(args.output)
     translator = load_translator(args, search_config)
-    lines = read_lines(source)
+    lines = read_lines(source, args.encoding_errors)
     start = time.perf_counter()
     if args.n_best > 1:
         n_best = translator.translate_n_best(lines, args.n_best)
@@ -163,8 +164,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
     else:
         output = translator.translate(lines, progress=not args.quiet)
     seconds = time.perf_counter() - start
-    if args.output:
-        write_text(args.output, as_lines(output))
+    if args.output is not None:
+        write_output(args.output, as_lines(output))
     else:
         sys.stdout.write(as_lines(output))
     say(f"translated {len(lines)} lines in {seconds:.1f} s ({len(lines) / max(seconds, 1e-9):.1f} lines/s)")
@@ -177,12 +178,14 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     src, ref = input_path(args.src), input_path(args.ref)
     if src == ref == STDIN:
         raise ValueError("--src and --ref cannot both be standard input")
-    if args.output:
+    if args.output is not None:
         check_writable_file(args.output)
-    sources, references = read_lines(src), read_lines(ref)
+    sources, references = read_lines(src, args.encoding_errors), read_lines(ref, args.encoding_errors)
     for path, lines in ((src, sources), (ref, references)):
         if not lines:
             raise ValueError(f"{path}: empty, nothing to evaluate")
+    if not any(line.strip() for line in references):
+        raise ValueError(f"{ref}: all {len(references)} reference lines are blank")
     if len(sources) != len(references):
         raise ValueError(f"{src} has {len(sources)} lines but {ref} has {len(references)}")
     result = evaluate(load_translator(args, search_config), sources, references, progress=not args.quiet)
@@ -190,8 +193,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     print(result["bleu_detail"])
     print(f"chrF2 = {result['chrf']:.2f}  {result['chrf_signature']}")
     print(json.dumps(result))
-    if args.output:
-        write_text(args.output, as_lines(hypotheses))
+    if args.output is not None:
+        write_output(args.output, as_lines(hypotheses))
 
 
 # --- average, export, plot, demo ------------------------------------------------------------------
@@ -218,6 +221,9 @@ def cmd_plot(args: argparse.Namespace) -> None:
     from aiayn.plots import plot_attention, plot_curves
     from aiayn.run import METRICS
 
+    search_config = replace(search_config_from(args), beam_size=1)  # the maps are of the greedy output
+    if args.sentence is not None and not args.sentence.strip():
+        raise ValueError("--sentence is blank: give the source sentence whose attention to draw")
     metrics = Path(args.model) / METRICS
     if args.sentence is None and not metrics.is_file():
         raise ValueError(
@@ -230,18 +236,29 @@ def cmd_plot(args: argparse.Namespace) -> None:
     if metrics.is_file():
         paths.append(plot_curves(metrics, out / "curves.png"))
     if args.sentence is not None:
-        paths += plot_attention(load_translator(args, SearchConfig(beam_size=1)), args.sentence, out)
+        paths += plot_attention(load_translator(args, search_config), args.sentence, out)
     print(json.dumps({"plots": [str(p) for p in paths]}))
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
+def cmd_demo(args: argparse.Namespace) -> int:
     from aiayn.demo import run_demo
 
     out = check_writable_dir(args.out)
-    print(json.dumps(run_demo(out, minutes=args.minutes)))
+    result = run_demo(out, minutes=args.minutes)
+    print(json.dumps(result))
+    return 128 + signal.Signals[result["stopped"]].value if "stopped" in result else 0
 
 
 # --- Flags ----------------------------------------------------------------------------------------
+
+
+def encoding_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--encoding-errors",
+        choices=["strict", "replace"],
+        default="strict",
+        help="bytes that are not UTF-8: strict = error naming file and line, replace = U+FFFD",
+    )
 
 
 def search_flags(p: argparse.ArgumentParser) -> None:
@@ -314,6 +331,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help="file or pipe to translate (default and -: stdin)")
     p.add_argument("--output", help="file to write (default stdout)")
     p.add_argument("--n-best", type=int, default=1, help="write N-best lists: index<TAB>score<TAB>text")
+    encoding_flag(p)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_translate)
 
@@ -322,6 +340,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--src", required=True, help="source lines: a file, a pipe or - (stdin)")
     p.add_argument("--ref", required=True, help="reference lines: a file, a pipe or - (stdin)")
     p.add_argument("--output", help="also write the translations here")
+    encoding_flag(p)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 

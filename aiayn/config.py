@@ -17,6 +17,7 @@ from aiayn.precision import DEFAULT_DTYPE, TrainDtype
 # Not settings: the special token ids are the tokenizer's, the same in every vocabulary (tokenizer.py).
 SPECIAL_ID_KEYS = ("pad_id", "bos_id", "eos_id", "unk_id")
 MAX_POSITIONS_LIMIT = 100_000  # a larger table of positions is a typo, not a model
+MAX_PARAMETERS = 4_000_000_000  # 16 GB of fp32 weights; Table 3's big is 213M: more is a typo
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,26 @@ class ModelConfig:
             )
         if self.share_embeddings and not self.tie_output:
             raise ValueError("share_embeddings=True shares all three matrices, so it needs tie_output=True")
+        if self.num_parameters() > MAX_PARAMETERS:
+            raise ValueError(
+                f"this model would have {self.num_parameters():,} parameters ({4 * self.num_parameters() / 1e9:.0f} GB "
+                f"in fp32), more than the {MAX_PARAMETERS:,} aiayn builds: check d_model={self.d_model}, "
+                f"d_ff={self.d_ff}, the layers and the vocabulary sizes"
+            )
+
+    def num_parameters(self) -> int:
+        """Distinct parameters of the model this config builds (Transformer.num_parameters, by formula)."""
+        D, F = self.d_model, self.d_ff
+        attention, ffn, norm = 4 * (D * D + D), 2 * D * F + F + D, 2 * D
+        layers = self.n_encoder_layers * (attention + ffn + 2 * norm)
+        layers += self.n_decoder_layers * (2 * attention + ffn + 3 * norm)
+        embeddings = self.tgt_vocab_size * D * (1 if self.tie_output else 2)
+        if not self.share_embeddings:
+            embeddings += self.src_vocab_size * D
+        if self.positions == "learned":
+            embeddings += self.max_positions * D * (1 if self.share_embeddings else 2)
+        final_norms = 2 * norm if self.norm == "pre" else 0
+        return layers + embeddings + final_norms
 
 
 @dataclass(frozen=True)
@@ -103,7 +124,15 @@ class TrainConfig:
                 f"Adam needs betas in [0, 1) and a positive eps, got {self.adam_beta1}, {self.adam_beta2}, "
                 f"{self.adam_eps}"
             )
-        for name in ("max_epochs", "max_updates", "valid_every", "patience", "max_minutes", "clip_norm"):
+        for name in (
+            "max_epochs",
+            "max_updates",
+            "valid_every",
+            "patience",
+            "max_minutes",
+            "clip_norm",
+            "seed",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 

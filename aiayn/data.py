@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -114,6 +115,9 @@ def hf_splits(name: str, config: str | None, data_files: Any) -> datasets.Datase
         ) from None
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
         raise ValueError(f"hf:{name}: no such dataset or data files ({e})") from None
+    except datasets.exceptions.DatasetGenerationError as e:  # e.g. a builder (json) without --data-files
+        cause = e.__cause__ or e
+        raise ValueError(f"hf:{name}: cannot build the dataset ({type(cause).__name__}: {cause})") from None
     if not isinstance(loaded, datasets.DatasetDict):
         raise ValueError(f"hf:{name}: expected a dataset with splits, got {type(loaded).__name__}")
     return loaded
@@ -156,7 +160,7 @@ def _find(prefix: str | Path, lang: str) -> Path:
     tried = [Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")]
     for path in tried:
         if path.exists() and not path.is_dir():
-            return path
+            return input_path(path)
     raise ValueError(f"no {lang!r} file for prefix {str(prefix)!r}; tried {', '.join(map(str, tried))}")
 
 
@@ -172,6 +176,8 @@ def input_path(path: str | Path) -> Path:
         raise ValueError(f"{path}: no such file")
     if path.is_dir():
         raise ValueError(f"{path}: is a directory, expected a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{path}: not readable (permission denied)")
     return path
 
 
@@ -207,7 +213,7 @@ def _split_lines(data: bytes, path: Path, errors: Errors) -> list[str]:
         line = data.count(b"\n", 0, e.start) + 1
         raise ValueError(
             f"{path}:{line}: not UTF-8, bad bytes {data[e.start : e.end]!r} "
-            "(to substitute U+FFFD instead: `aiayn train --encoding-errors replace`, or errors='replace')"
+            "(convert it to UTF-8, or read U+FFFD in their place with --encoding-errors replace)"
         ) from None
     return split_lines(text)
 
@@ -364,6 +370,8 @@ def read_corpus(
     pairs = read_pairs(valid, src_lang, tgt_lang, errors=errors, split="validation", data_files=data_files)
     valid_src, valid_tgt, valid_report = clean_pairs(*pairs)
     say(f"validation pairs: {valid_report}")
+    if not valid_src:
+        raise ValueError(f"{valid}: no validation pairs ({valid_report}); leave out --valid to train without")
     return Corpus(src, tgt, valid_src, valid_tgt, src_lang, tgt_lang)
 
 

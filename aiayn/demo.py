@@ -51,7 +51,9 @@ def run_demo(out: Path, minutes: float = 2.5) -> dict[str, Any]:
         max_minutes=minutes, max_tokens=1500, warmup_steps=200, lr_scale=0.5, valid_every=200
     )
     corpus = Corpus(src, tgt, valid_src, valid_tgt, synthetic.SRC_LANG, synthetic.TGT_LANG)
-    train(run, model_config, train_config, tokenizer, corpus)
+    stop = train(run, model_config, train_config, tokenizer, corpus).stop
+    if stop.signal is not None:  # Ctrl-C: the run is saved and resumable; no scoring and plots now
+        return {"stopped": stop.signal, "resume": "run the same command again"}
     model_dir = run.out
 
     translator = Translator.load(model_dir)  # the best model by validation BLEU, beam 4

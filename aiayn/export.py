@@ -131,15 +131,22 @@ def export_ctranslate2(
             f"unknown quantization {quantization!r}; "
             f"choose one of {', '.join(model_spec.ACCEPTED_MODEL_TYPES)}"
         )
-    if out.exists() and out.resolve() == model_dir.resolve():
-        raise ValueError(f"{out}: the export cannot replace the model directory it reads")
+    if out.exists() and (
+        out.resolve() == model_dir.resolve() or out.resolve() in model_dir.resolve().parents
+    ):
+        raise ValueError(f"{out}: the export cannot replace the model directory it reads, or one holding it")
     if out.exists() and not force:
         raise ValueError(f"{out} already exists; use --force to replace it")
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / AIAYN_CONFIG).is_file())):
+        raise ValueError(f"{out}: --force replaces only an earlier export (with {AIAYN_CONFIG}), not this")
     model = load_model(model_dir)
     tokenizer = Tokenizer.load(model_dir)
     spec = ctranslate2_spec(model, tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    except OSError as e:  # name the directory the user asked for, not the temporary one
+        raise OSError(e.errno, e.strerror, str(out)) from None
     try:
         SpecConverter(spec).convert(str(tmp), quantization=quantization, force=True)
         tokenizer.save(tmp)

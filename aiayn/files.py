@@ -33,9 +33,23 @@ def write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def write_output(path: str | Path, text: str) -> None:
+    """A user's output file: written atomically, through a symlink to its target; a device or a pipe
+    (/dev/null, /dev/stdout, a FIFO) is written to, never replaced by a file."""
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        write_text(target, text)
+
+
 def stage(path: Path, write: Callable[[Path], Any]) -> Path:
     """write(tmp) into a fsynced temporary file beside `path`, readable by others; returns tmp."""
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    try:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    except OSError as e:  # name the file the user asked for, not the temporary one
+        raise OSError(e.errno, e.strerror, str(path)) from None
     os.close(fd)
     tmp = Path(name)
     try:
@@ -102,7 +116,11 @@ def remove_temporaries(directory: Path) -> list[Path]:
 
 def check_writable_file(path: str | Path, what: str = "output") -> Path:
     """Refuse, before any work, an output file that could not be written: ValueError naming it."""
-    path = Path(path)
+    if str(path) == "":
+        raise ValueError(f"the {what} file name is empty")
+    path = Path(os.path.realpath(path))  # a symlink is written through to its target
+    if path.exists() and not path.is_file() and not path.is_dir():
+        return path  # a device or a pipe: written to as it is
     if path.is_dir():
         raise ValueError(f"{path}: is a directory; the {what} must be a file")
     parent = path.parent

@@ -235,6 +235,16 @@ class Run:
             self.writer.close()
             self.writer = None
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, error_type: type | None, error: BaseException | None, traceback: Any) -> None:
+        """Close the writers; a new run that failed before its first checkpoint removes what it wrote, so
+        that the corrected command can start again without --force."""
+        self.close()
+        if error_type is not None and not self.resuming and not checkpoint.list_checkpoints(self.out):
+            self.remove_run()
+
     # --- Running ------------------------------------------------------------------------------------
 
     def minutes(self) -> float:

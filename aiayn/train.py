@@ -96,7 +96,7 @@ def train(
     run.log({"event": "data", **sizes}, echo=True)
     validation = Validation(tokenizer, corpus, cfg, device)
     model.train()
-    try:
+    with run:  # a run that fails before its first checkpoint leaves OUT as it found it
         with stop_signals() as signals:
             stop = stop_reason(state, cfg, run, signals)  # a resumed run may be done already
             for group in update_groups(pairs.lengths(), cfg, state) if stop is None else ():
@@ -118,12 +118,10 @@ def train(
                 if stop:
                     break
             stop = stop or Stop("max_epochs")
-        if stop.signal is not None:
+        if stop.signal is not None:  # a second Ctrl-C from here on stops at once
             save_on_signal(run, model, optimizer, state)
         elif state.validated_step != state.step:  # every other stop ends on a validated model
             validate_and_save(run, validation, model, optimizer, state, scheduled=False)
-    finally:
-        run.close()
     validated = state.best_step <= state.validated_step
     result = Result(stop, state.step, state.best_bleu, state.best_step, validated, run.last_checkpoint())
     run.log(result.record())

@@ -87,6 +87,11 @@ class Translator:
         results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in ids]
         lengths = [len(x) for x in ids]
         config = self.model.config
+        if search_config.beam_size > config.tgt_vocab_size:
+            raise ValueError(
+                f"beam_size={search_config.beam_size} is more than the {config.tgt_vocab_size} tokens of the "
+                "target vocabulary: a beam cannot hold more hypotheses than there are next tokens"
+            )
         learned = config.positions == "learned"
         too_long = [i for i, n in enumerate(lengths) if learned and n > config.max_positions]
         if too_long:

@@ -178,7 +178,7 @@ def test_parameter_count_matches_table_3(name, paper):
     n = model.num_parameters()
     assert abs(n - paper) / paper < 0.05, n
     c = model.config
-    assert n == expected_parameters(37000, 37000, c.d_model, c.d_ff, 6, 6)
+    assert n == expected_parameters(37000, 37000, c.d_model, c.d_ff, 6, 6) == c.num_parameters()
 
 
 @pytest.mark.parametrize(
@@ -188,6 +188,8 @@ def test_parameter_count_matches_table_3(name, paper):
         {"norm": "pre"},
         {"share_embeddings": False, "src_vocab_size": 20, "tgt_vocab_size": 30},
         {"share_embeddings": False, "tie_output": False, "src_vocab_size": 20, "tgt_vocab_size": 30},
+        {"positions": "learned", "max_positions": 50},
+        {"positions": "learned", "share_embeddings": False, "src_vocab_size": 20, "tgt_vocab_size": 30},
     ],
 )
 def test_parameter_count_equals_formula(cfg):
@@ -195,7 +197,9 @@ def test_parameter_count_equals_formula(cfg):
     c = model.config
     assert c.d_model == 64 and c.d_ff == 128 and c.n_encoder_layers == c.n_decoder_layers == 2
     expected = expected_parameters(c.src_vocab_size, c.tgt_vocab_size, 64, 128, 2, 2, **cfg)
-    assert model.num_parameters() == expected
+    if c.positions == "learned":  # one table per embedding
+        expected += c.max_positions * 64 * (1 if c.share_embeddings else 2)
+    assert model.num_parameters() == expected == c.num_parameters()  # the config's own count, too
     assert sum(p.numel() for p in model.parameters()) == expected  # a shared matrix is one parameter
 
 
