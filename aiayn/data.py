@@ -56,6 +56,10 @@ def read_tsv(path: str | Path, *, errors: Errors = "strict") -> tuple[list[str],
     return src, tgt
 
 
+HF_SPEC = "hf:NAME[:CONFIG[:SPLIT]]"
+FILE_BUILDERS = ("json", "csv", "parquet", "arrow", "text")  # Hugging Face's builders of local files
+
+
 def read_hf(
     dataset: str | datasets.Dataset,
     src_lang: str,
@@ -106,6 +110,8 @@ def hf_splits(name: str, config: str | None, data_files: Any) -> datasets.Datase
     """Every split of a Hugging Face dataset; one that cannot be loaded is a ValueError saying why."""
     import datasets
 
+    if name in FILE_BUILDERS and not data_files:  # else datasets looks for a hub dataset of that name
+        raise ValueError(f"hf:{name} reads local files: name them with --data-files SPLIT=PATH")
     try:
         loaded = datasets.load_dataset(name, config, data_files=data_files)
     except ConnectionError as e:
@@ -121,9 +127,6 @@ def hf_splits(name: str, config: str | None, data_files: Any) -> datasets.Datase
     if not isinstance(loaded, datasets.DatasetDict):
         raise ValueError(f"hf:{name}: expected a dataset with splits, got {type(loaded).__name__}")
     return loaded
-
-
-HF_SPEC = "hf:NAME[:CONFIG[:SPLIT]]"
 
 
 def read_pairs(

@@ -124,6 +124,8 @@ def check_writable_file(path: str | Path, what: str = "output") -> Path:
     if path.is_dir():
         raise ValueError(f"{path}: is a directory; the {what} must be a file")
     parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(f"{path}: {parent} is not a directory")
     if not parent.is_dir():
         raise ValueError(f"{path}: the directory {parent} does not exist (create it first)")
     if not os.access(parent, os.W_OK | os.X_OK):

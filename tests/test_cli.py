@@ -195,7 +195,9 @@ def test_missing_files(workdir, tmp_path):
     assert_one_line_error(*run(["translate", model, "--input", missing])[::2], f"{missing}: no such file")
     code, _, stderr = run(["evaluate", model, "--src", root / "test.en", "--ref", missing])
     assert_one_line_error(code, stderr, f"{missing}: no such file")
-    assert_one_line_error(*run(["average", missing, "--last", 1, "--out", tmp_path / "a"])[::2], f"{missing}: not a directory")
+    assert_one_line_error(
+        *run(["average", missing, "--last", 1, "--out", tmp_path / "a"])[::2], f"{missing}: not a directory"
+    )
 
 
 def test_the_installed_command_exits_2_without_traceback(corpus_prefix, tmp_path):
