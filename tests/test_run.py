@@ -1,6 +1,8 @@
-"""The run directory (aiayn/run.py) and the ways work could be lost or be wrong: each test here failed
-on the code before the run directory had one owner (issue 10), and passes now.
+"""The run directory (aiayn/run.py) and the ways work could be lost or be wrong.
 
+Each test of a way to lose work failed on the code before the run directory had one owner (issue 10:
+checked by running this file against commit 56ea36a with its calls adapted to the old API); two more
+(--force replacing the whole run, a resume changing only limits) guard against refusing too much.
 Through the command line where a user would meet the problem, through the library where the state
 to set up is easier to reach that way.
 """
@@ -166,7 +168,8 @@ def test_a_resume_removes_what_a_killed_save_left_behind(data, tmp_path):
 def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_over(data, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / RUN_FILE).write_text("{}")
+    (out / RUN_FILE).write_text("{}")  # what Run.begin writes before the first update
+    (out / "train.json").write_text("{}")
     (out / "metrics.jsonl").write_text('{"event": "data"}\n')
     code, _, stderr = run_cli(tiny(data, out, "--resume"))
     assert code == 0, stderr
