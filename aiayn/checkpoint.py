@@ -66,10 +66,6 @@ def write_weights(model: Transformer, path: Path) -> None:
     safetensors.torch.save_file(weights_dict(model), str(path))
 
 
-def save_weights(model: Transformer, path: str | Path) -> None:
-    atomic_write(path, lambda tmp: write_weights(model, tmp))
-
-
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file by name (old names renamed); a damaged file is a ValueError naming it."""
     path = Path(path)

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from aiayn import checkpoint
-from aiayn.config import ModelConfig, TrainConfig, save_json
+from aiayn.config import TrainConfig, save_json
 from aiayn.files import atomic_write, check_writable_dir, remove_temporaries
 from aiayn.model import Transformer
 from aiayn.tokenizer import JOINT_FILE, SRC_FILE, TGT_FILE, Tokenizer
@@ -115,9 +115,6 @@ class Run:
     def saved_tokenizer(self) -> Tokenizer:
         """The tokenizer of the run being resumed."""
         return Tokenizer.load(self.last_checkpoint())
-
-    def saved_model_config(self) -> ModelConfig:
-        return checkpoint.load_model_config(self.last_checkpoint())
 
     # --- Beginning (OUT is changed from here on) ----------------------------------------------------
 
