@@ -377,3 +377,16 @@ def test_train_refuses_a_corpus_with_nothing_short_enough(data, tmp_path):
             tokenizer,
             corpus,
         )
+
+
+def test_patience_stops_after_that_many_validations_without_a_better_bleu(data, tmp_path):
+    """With a learning rate too small to change the greedy outputs, BLEU stays where the first
+    validation put it: the next `patience` validations are not better, and training stops there."""
+    tokenizer, corpus = data
+    cfg = TrainConfig(max_updates=50, valid_every=2, patience=2, lr_scale=1e-9, dtype="fp32", max_tokens=200)
+    result = run_train(tmp_path / "run", small_model(tokenizer, 0.0), cfg, tokenizer, corpus)
+    assert (result.stop.reason, result.step, result.model_step) == ("patience", 6, 2)
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if "valid_bleu" in r] == [2, 4, 6]  # no extra validation at the stop
+    assert len({r["valid_bleu"] for r in records if "valid_bleu" in r}) == 1
+    assert records[-1]["reason"] == "patience"
