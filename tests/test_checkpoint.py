@@ -4,6 +4,8 @@ writes are atomic, and every way a model directory can be broken is a ValueError
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import safetensors.torch
@@ -354,3 +356,39 @@ def test_saved_config_rebuilds_the_same_model(saved):
     config = checkpoint.load_model_config(saved)
     assert isinstance(config, ModelConfig)
     assert json.loads((saved / checkpoint.CONFIG).read_text())["d_model"] == config.d_model == 32
+
+
+def test_a_model_directory_of_an_earlier_version_still_loads(saved):
+    """Before issue 10 config.json held the special ids and each layer norm sat in a Residual wrapper
+    (encoder.0.res_attn.norm.weight): such directories load with the same numbers."""
+    want = checkpoint.load_model(saved).state_dict()
+    config = json.loads((saved / checkpoint.CONFIG).read_text())
+    (saved / checkpoint.CONFIG).write_text(json.dumps({**config, "pad_id": 0, "bos_id": 1, "eos_id": 2}))
+    old_names = {
+        "self_attn_norm": "res_attn.norm",
+        "feed_forward_norm": "res_ff.norm",
+        "cross_attn_norm": "res_cross.norm",
+    }
+    tensors = {}
+    for name, tensor in safetensors.torch.load_file(str(saved / checkpoint.WEIGHTS)).items():
+        if name.startswith("decoder."):
+            name = name.replace("self_attn_norm", "res_self.norm")
+        for new, old in old_names.items():
+            name = name.replace(new, old)
+        tensors[name] = tensor
+    assert "encoder.0.res_attn.norm.weight" in tensors and "decoder.0.res_self.norm.weight" in tensors
+    safetensors.torch.save_file(tensors, str(saved / checkpoint.WEIGHTS))
+    got = checkpoint.load_model(saved).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    (saved / checkpoint.CONFIG).write_text(json.dumps({**config, "eos_id": 5}))
+    with pytest.raises(ValueError, match="eos_id=5, but the tokenizer's eos_id is 2"):
+        checkpoint.load_model(saved)
+
+
+def test_the_same_weights_give_the_same_file(saved):
+    """Written again by another process, byte for byte (safetensors' own list of tied names came out in
+    an order that changed from process to process)."""
+    again = saved.parent / "again.safetensors"
+    code = f"from aiayn import checkpoint; checkpoint.write_weights(checkpoint.load_model({str(saved)!r}), {str(again)!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert again.read_bytes() == (saved / checkpoint.WEIGHTS).read_bytes()
