@@ -3,14 +3,16 @@
 The modules in layers, bottom to top. A module imports only from layers below its own, so data flows
 one way (tests/test_layers.py holds the code to this table):
 
-    files precision                  writing results safely; device and number format
+    files precision distributed      writing results safely; device and number format; torchrun's ranks
     config tokenizer                 frozen configs and presets; vocabularies and the special ids
     model synthetic                  the Transformer (§3); the demo's generated task
     data search checkpoint           reading and batching text; search over ids; model directories
-    run translate                    a training run's directory; text in, text out
+    prepare translate                a corpus as memory-mapped ids; text in, text out
+    run                              a training run's directory
     train evaluate export plots      the training loop; sacreBLEU; CTranslate2; pictures
     demo                             the built-in job
     cli                              the command line
+    __main__                         python -m aiayn (what torchrun runs)
 """
 
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig, preset

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -29,8 +31,9 @@ from aiayn.config import (
     split_overrides,
 )
 from aiayn.data import STDIN, input_path, read_lines
+from aiayn.distributed import env_rank
 from aiayn.files import check_writable_dir, check_writable_file, write_output
-from aiayn.precision import DEFAULT_DTYPE
+from aiayn.precision import DEFAULT_DTYPE, resolve_device
 
 
 def say(text: str) -> None:
@@ -61,44 +64,46 @@ def config_file(path: str | None) -> dict[str, Any]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from aiayn.data import read_corpus
+    from aiayn.distributed import Ranks
+    from aiayn.prepare import open_prepared
     from aiayn.run import Run
-    from aiayn.tokenizer import Tokenizer
     from aiayn.train import train
 
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return relaunch_under_torchrun(args)
     values = config_file(args.config) | parse_overrides((ModelConfig, TrainConfig), args.set)
     model_overrides, train_overrides = split_overrides(values, where=args.config or "--set")
     limits = {"max_minutes": args.max_minutes, "max_epochs": args.max_epochs, "max_updates": args.max_updates}
     flags = {**limits, "max_tokens": args.max_tokens}
-    train_config = from_dict(TrainConfig, {k: v for k, v in flags.items() if v is not None} | train_overrides)
-    preset(args.preset)  # an unknown name fails now, not after reading data and training a tokenizer
-    Tokenizer.check_options(args.vocab_size, args.tokenizer)
-    mode = "force" if args.force else "resume" if args.resume else "new"
-    run = Run.open(args.out, mode, progress=not args.quiet, tensorboard=args.tensorboard)
-    corpus = read_corpus(
-        args.train,
-        args.src_lang,
-        args.tgt_lang,
-        valid=args.valid,
-        valid_fraction=args.valid_fraction,
-        seed=train_config.seed,
-        errors=args.encoding_errors,
-        data_files=data_files(args.data_files),
-        say=say,
-    )
-    if run.resuming:
-        tokenizer = run.saved_tokenizer()
-    else:
-        joint = not args.separate_vocab
-        tokenizer = Tokenizer.train(
-            corpus.train_src, corpus.train_tgt, vocab_size=args.vocab_size, kind=args.tokenizer, joint=joint
-        )
-    sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
-    model_config = preset_for_vocabulary(args.preset, *sizes, **model_overrides)
-    vocabulary = (
-        f"{args.tokenizer}, vocab_size {args.vocab_size}, {'separate' if args.separate_vocab else 'joint'}"
-    )
-    result = train(run, model_config, train_config, tokenizer, corpus, settings={"tokenizer": vocabulary})
+    cfg = from_dict(TrainConfig, {k: v for k, v in flags.items() if v is not None} | train_overrides)
+    # An unknown preset, a bad override or an impossible model fails now, not after preparing the data
+    # (the vocabulary is at most --vocab-size).
+    preset_for_vocabulary(args.preset, args.vocab_size, args.vocab_size, True, **model_overrides)
+    tokenizer_options(args)
+    resolve_device(args.device)  # an unknown device, or CUDA where there is none, fails now
+    ranks = Ranks.start(cfg.dist_backend, args.device, cfg.dist_timeout_minutes)
+    try:
+        device = ranks.device(args.device)
+        mode = "force" if args.force else "resume" if args.resume else "new"
+        run = Run.open(args.out, mode, not args.quiet, args.tensorboard, main=ranks.main, world=ranks.world)
+        ranks.barrier()  # every rank has looked at OUT before rank 0 changes it
+        with run.checking():
+            data = training_data(args, run, cfg) if ranks.main else None
+            if not ranks.main:  # rank 0 prepared it: open its copy before it moves into place
+                data = open_prepared(ranks.share(None))
+            else:
+                ranks.share(str(data.directory))
+            ranks.barrier()
+            tokenizer = data.tokenizer
+            sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+            model_config = preset_for_vocabulary(args.preset, *sizes, **model_overrides)
+        settings = {} if args.data else {"tokenizer": f"{args.tokenizer}, vocab_size {args.vocab_size}, " + (
+            "separate" if args.separate_vocab else "joint")}  # fmt: skip
+        result = train(run, model_config, cfg, data, device, settings, ranks)
+    finally:
+        ranks.close()
+    if not ranks.main:
+        return 0 if result.stop.signal is None else 128 + signal.Signals[result.stop.signal].value
     print(json.dumps(result.record()))
     bleu = f"validation BLEU {result.best_bleu:.2f}" if result.best_bleu >= 0 else "no validation data"
     held = f"the model of update {result.model_step} ({bleu if result.model_validated else 'not validated'})"
@@ -112,6 +117,119 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{args.out} holds {held}. Continue with the same command plus --resume"
     )
     return 128 + signal.Signals[result.stop.signal].value
+
+
+def training_data(args: argparse.Namespace, run, cfg: TrainConfig):
+    """The prepared corpus to train on: --data as it is; else --train prepared into OUT/data (staged,
+    moved into place when the run begins) or, on a resume, OUT/data once it is shown to be that data."""
+    from aiayn.prepare import check_same_input, open_prepared, prepare_files
+
+    if args.data is not None:
+        if args.train is not None:
+            raise ValueError("give --train (files to prepare) or --data (a prepared corpus), not both")
+        return open_prepared(args.data)
+    if args.train is None:
+        raise ValueError("--train (files to prepare) or --data (a prepared corpus) is needed")
+    where = dict(errors=args.encoding_errors, data_files=data_files(args.data_files))
+    if run.resuming and (run.data_dir / "manifest.json").is_file():
+        data = open_prepared(run.data_dir)
+        check_same_input(
+            data,
+            args.train,
+            (args.src_lang, args.tgt_lang),
+            valid=args.valid,
+            valid_fraction=args.valid_fraction,
+            seed=cfg.seed,
+            **where,
+        )
+        return data
+    return prepare_files(
+        run.data_dir,
+        args.train,
+        args.src_lang,
+        args.tgt_lang,
+        valid=args.valid,
+        valid_fraction=args.valid_fraction,
+        seed=cfg.seed,
+        tokenizer=run.saved_tokenizer() if run.resuming else None,  # a run from before OUT/data existed
+        options=tokenizer_options(args),
+        say=say,
+        **where,
+    )
+
+
+def tokenizer_options(args: argparse.Namespace):
+    """--vocab-size, --tokenizer, --separate-vocab, --tokenizer-sample; refused now if they cannot work."""
+    from aiayn.prepare import TokenizerOptions
+    from aiayn.tokenizer import Tokenizer
+
+    Tokenizer.check_options(args.vocab_size, args.tokenizer)
+    if args.tokenizer_sample < 1:
+        raise ValueError(f"--tokenizer-sample must be at least 1, got {args.tokenizer_sample}")
+    return TokenizerOptions(args.vocab_size, args.tokenizer, not args.separate_vocab, args.tokenizer_sample)
+
+
+def relaunch_under_torchrun(args: argparse.Namespace) -> int:
+    """`aiayn train --nproc N ...`: the same command under torchrun, N ranks on this machine. One OpenMP
+    thread per rank on the CPU unless OMP_NUM_THREADS says otherwise (N ranks with a thread per core
+    each would fight for the cores). Ctrl-C and SIGTERM go to torchrun, which passes them on."""
+    argv = list(args.argv)
+    at = next(i for i, a in enumerate(argv) if a == "--nproc" or a.startswith("--nproc="))
+    del argv[at : at + (1 if "=" in argv[at] else 2)]
+    env = dict(os.environ)
+    if not args.device.startswith("cuda") and not (args.device == "auto" and torch_cuda_available()):
+        env.setdefault("OMP_NUM_THREADS", "1")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+    ]
+    child = subprocess.Popen([*command, "-m", "aiayn", *argv], env=env)
+    forward = {
+        s: signal.signal(s, lambda signum, frame: child.send_signal(signum))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        return child.wait()
+    finally:
+        for s, handler in forward.items():
+            signal.signal(s, handler)
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from aiayn.prepare import prepare_files
+
+    out = check_writable_dir(args.out, "prepared corpus directory")
+    if out.exists() and not args.force:
+        raise ValueError(f"{out} already exists; use --force to replace it")
+    data = prepare_files(
+        out,
+        args.train,
+        args.src_lang,
+        args.tgt_lang,
+        valid=args.valid,
+        valid_fraction=args.valid_fraction,
+        seed=args.seed,
+        errors=args.encoding_errors,
+        data_files=data_files(args.data_files),
+        options=tokenizer_options(args),
+        say=say,
+    )
+    data = data.commit(out, replace=args.force)
+    manifest = data.manifest
+    print(
+        json.dumps(
+            {"out": str(out), **{k: manifest[k] for k in ("pairs", "held_out", "src_tokens", "tgt_tokens")}}
+        )
+    )
 
 
 def data_files(items: list[str]) -> dict[str, list[str]] | None:
@@ -141,7 +259,7 @@ def search_config_from(args: argparse.Namespace, n_best: int = 1) -> SearchConfi
 def load_translator(args: argparse.Namespace, search_config: SearchConfig):
     from aiayn.translate import Translator
 
-    return Translator.load(args.model, search_config, dtype=args.dtype)
+    return Translator.load(args.model, search_config, dtype=args.dtype, device=resolve_device(args.device))
 
 
 def as_lines(texts: list[str]) -> str:
@@ -270,9 +388,41 @@ def search_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=["auto", "fp32", "bf16", "int8"],
+        choices=["auto", "fp32", "bf16", "fp16", "int8"],
         default=DEFAULT_DTYPE,
-        help="auto (default): bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU",
+        help="auto (default): bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU; fp16: CUDA",
+    )
+    device_flag(p)
+
+
+def device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is a GPU), cpu, cuda or cuda:N")
+
+
+def corpus_flags(p: argparse.ArgumentParser, data_forms: str, required: bool = True) -> None:
+    p.add_argument("--train", required=required, help=data_forms)
+    p.add_argument("--valid", help="validation data, same forms as --train (hf: reads the validation split)")
+    p.add_argument("--valid-fraction", type=float, help="hold out this fraction of --train instead")
+    p.add_argument(
+        "--data-files",
+        action="append",
+        default=[],
+        metavar="SPLIT=PATH",
+        help="local files of an hf: dataset, e.g. --train hf:json --data-files train=pairs.jsonl",
+    )
+    p.add_argument("--src-lang", required=required)
+    p.add_argument("--tgt-lang", required=required)
+
+
+def tokenizer_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--tokenizer", choices=["bpe", "word"], default="bpe")
+    p.add_argument("--separate-vocab", action="store_true", help="one vocabulary per language")
+    p.add_argument(
+        "--tokenizer-sample",
+        type=int,
+        default=1_000_000,
+        help="training pairs the vocabulary is learned from, at most",
     )
 
 
@@ -284,28 +434,29 @@ def parser() -> argparse.ArgumentParser:
         "PREFIX (PREFIX.SRC and PREFIX.TGT, .gz ok), FILE.tsv, - (TSV on stdin) or hf:NAME[:CONFIG[:SPLIT]]"
     )
 
+    p = sub.add_parser("prepare", help="tokenize a corpus into memory-mapped files for `train --data`")
+    corpus_flags(p, data_forms)
+    p.add_argument("--out", required=True, help="directory to write (the prepared corpus)")
+    p.add_argument("--seed", type=int, default=1, help="for --valid-fraction and the tokenizer's sample")
+    tokenizer_flags(p)
+    encoding_flag(p)
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_prepare)
+
     p = sub.add_parser("train", help="train a model on parallel text")
-    p.add_argument("--train", required=True, help=data_forms)
-    p.add_argument("--valid", help="validation data, same forms as --train (hf: reads the validation split)")
-    p.add_argument("--valid-fraction", type=float, help="hold out this fraction of --train instead")
-    p.add_argument(
-        "--data-files",
-        action="append",
-        default=[],
-        metavar="SPLIT=PATH",
-        help="local files of an hf: dataset, e.g. --train hf:json --data-files train=pairs.jsonl",
-    )
-    p.add_argument("--src-lang", required=True)
-    p.add_argument("--tgt-lang", required=True)
+    corpus_flags(p, data_forms, required=False)
+    p.add_argument("--data", help="a corpus `aiayn prepare` wrote, instead of --train")
     p.add_argument("--out", required=True, help="run directory to write (a model directory plus checkpoints)")
+    device_flag(p)
+    p.add_argument(
+        "--nproc", type=int, default=1, help="train with N processes on this machine (runs torchrun for you)"
+    )
     p.add_argument("--preset", default="small", help=", ".join(PRESETS))
     p.add_argument("--max-minutes", type=float)
     p.add_argument("--max-epochs", type=int)
     p.add_argument("--max-updates", type=int)
     p.add_argument("--max-tokens", type=int, help="target tokens per micro-batch")
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--tokenizer", choices=["bpe", "word"], default="bpe")
-    p.add_argument("--separate-vocab", action="store_true", help="one vocabulary per language")
+    tokenizer_flags(p)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--config", help="YAML file of KEY: VALUE overrides")
     p.add_argument(
@@ -373,7 +524,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args) or 0
     except (ValueError, OSError) as e:
@@ -382,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         text = str(e) if isinstance(e, ValueError) else f"{e.filename or ''}: {e.strerror or e}"
-        print(f"aiayn: error: {text}", file=sys.stderr)
+        rank = f"rank {env_rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"aiayn: error: {rank}{text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (reading data, translating): no traceback
         if args.debug:

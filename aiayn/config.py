@@ -109,6 +109,8 @@ class TrainConfig:
     valid_beam_size: int = 1  # search used for validation BLEU (greedy is fast)
     seed: int = 1
     skip_nonfinite: bool = False  # skip batches whose loss is not finite instead of stopping
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"  # torchrun: auto = NCCL on CUDA, gloo on CPU
+    dist_timeout_minutes: float = 30.0  # a rank that waits longer for the others than this fails the run
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -135,6 +137,8 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.dist_timeout_minutes <= 0:
+            raise ValueError(f"dist_timeout_minutes must be positive, got {self.dist_timeout_minutes}")
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
+import io
+import itertools
 import os
 import sys
 import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -23,44 +27,85 @@ Errors = Literal["strict", "replace"]
 
 
 # Reading --------------------------------------------------------------------------------------------------
+# Every reader streams: a file is read a line at a time (gzip by name or content, a pipe, or "-" for
+# standard input), so a corpus larger than memory can pass through. The read_* functions are the same
+# readers gathered into lists, for data that fits (validation sets, texts to translate).
+
+HF_SPEC = "hf:NAME[:CONFIG[:SPLIT]]"
+FILE_BUILDERS = ("json", "csv", "parquet", "arrow", "text")  # Hugging Face's builders of local files
+STDIN = Path("-")  # standard input, as a path
+Pairs = Iterator[tuple[str, str]]
+
+
+def iter_lines(path: str | Path, errors: Errors = "strict") -> Iterator[str]:
+    """The lines of one UTF-8 text, split on "\\n" only, each without its "\\n" and a trailing "\\r" (CRLF).
+
+    Not str.splitlines(): it also splits on \\x0b, \\x1c, \\x85, \\u2028..., so there would be more
+    lines than `wc -l` counts and translations would no longer line up with their sources. A line that
+    is not UTF-8 is a ValueError naming the file and the line.
+    """
+    path = input_path(path)
+    with _open_binary(path) as f:
+        try:
+            for number, raw in enumerate(f, start=1):
+                yield _decode(raw, path, number, errors)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            # gzip reports damage as three unrelated types (OSError, EOFError, zlib.error); all mean the same.
+            raise ValueError(f"{path}: not a readable gzip file ({e})") from None
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def read_lines(path: str | Path, errors: Errors = "strict") -> list[str]:
+    """Lines of one UTF-8 text file (plain or gzipped; a pipe, or "-" for standard input); a missing or
+    bad file is a ValueError naming it."""
+    return list(iter_lines(path, errors))
+
+
+def iter_parallel(prefix: str | Path, src_lang: str, tgt_lang: str, *, errors: Errors = "strict") -> Pairs:
+    """Line-aligned files PREFIX.SRC_LANG and PREFIX.TGT_LANG, each plain or gzipped (PREFIX.SRC_LANG.gz)."""
+    src_path, tgt_path = _find(prefix, src_lang), _find(prefix, tgt_lang)
+    if src_path.is_file() and tgt_path.is_file():
+        # Compare line counts before decoding: a misaligned corpus is the more useful error to see first.
+        n_src, n_tgt = _count_lines(src_path), _count_lines(tgt_path)
+        if n_src != n_tgt:
+            raise ValueError(
+                f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}; parallel files must be line-aligned"
+            )
+    src, tgt = iter_lines(src_path, errors), iter_lines(tgt_path, errors)
+    for n, pair in enumerate(itertools.zip_longest(src, tgt), start=1):
+        if None in pair:  # one file ended first: count the other to the end for the message
+            rest = 1 + sum(1 for _ in (src if pair[1] is None else tgt))
+            n_src, n_tgt = (n - 1 + rest, n - 1) if pair[1] is None else (n - 1, n - 1 + rest)
+            raise ValueError(
+                f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}; parallel files must be line-aligned"
+            )
+        yield pair
 
 
 def read_parallel(
     prefix: str | Path, src_lang: str, tgt_lang: str, *, errors: Errors = "strict"
 ) -> tuple[list[str], list[str]]:
-    """Line-aligned files PREFIX.SRC_LANG and PREFIX.TGT_LANG, each plain or gzipped (PREFIX.SRC_LANG.gz)."""
-    src_path, tgt_path = _find(prefix, src_lang), _find(prefix, tgt_lang)
-    src_bytes, tgt_bytes = _read_bytes(src_path), _read_bytes(tgt_path)
-    # Compare line counts before decoding: a misaligned corpus is the more useful error to see first.
-    n_src, n_tgt = _count_lines(src_bytes), _count_lines(tgt_bytes)
-    if n_src != n_tgt:
-        raise ValueError(
-            f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}; parallel files must be line-aligned"
-        )
-    return _split_lines(src_bytes, src_path, errors), _split_lines(tgt_bytes, tgt_path, errors)
+    return _lists(iter_parallel(prefix, src_lang, tgt_lang, errors=errors))
 
 
-def read_tsv(path: str | Path, *, errors: Errors = "strict") -> tuple[list[str], list[str]]:
+def iter_tsv(path: str | Path, *, errors: Errors = "strict") -> Pairs:
     """One pair per line, `source<TAB>target` (plain or gzipped; a pipe, or "-" for standard input)."""
-    path = input_path(path)
-    src, tgt = [], []
-    for number, line in enumerate(_split_lines(_read_bytes(path), path, errors), start=1):
+    for number, line in enumerate(iter_lines(path, errors), start=1):
         fields = line.split("\t")
         if len(fields) != 2:
             raise ValueError(
                 f"{path}:{number}: expected source<TAB>target (exactly one tab), "
                 f"found {len(fields) - 1} tabs in {line!r}"
             )
-        src.append(fields[0])
-        tgt.append(fields[1])
-    return src, tgt
+        yield fields[0], fields[1]
 
 
-HF_SPEC = "hf:NAME[:CONFIG[:SPLIT]]"
-FILE_BUILDERS = ("json", "csv", "parquet", "arrow", "text")  # Hugging Face's builders of local files
+def read_tsv(path: str | Path, *, errors: Errors = "strict") -> tuple[list[str], list[str]]:
+    return _lists(iter_tsv(path, errors=errors))
 
 
-def read_hf(
+def iter_hf(
     dataset: str | datasets.Dataset,
     src_lang: str,
     tgt_lang: str,
@@ -68,8 +113,8 @@ def read_hf(
     split: str = "train",
     config: str | None = None,
     data_files: str | list[str] | dict[str, str | list[str]] | None = None,
-) -> tuple[list[str], list[str]]:
-    """Pairs from the `translation` column ({lang: text}) of a Hugging Face dataset.
+) -> Pairs:
+    """Pairs from the `translation` column ({lang: text}) of a Hugging Face dataset, in batches.
 
     `dataset` is a loaded `datasets.Dataset`, or a name for `datasets.load_dataset(dataset, config,
     data_files=data_files)` whose `split` is read: a hub name such as "Helsinki-NLP/opus_books" with
@@ -94,16 +139,24 @@ def read_hf(
     # Flattening the struct column gives one string column per language, far faster than Python dicts.
     flat = dataset.select_columns(["translation"]).flatten()
     langs = [column.removeprefix("translation.") for column in flat.column_names]
-    texts = []
     for lang in (src_lang, tgt_lang):
         if lang not in langs:
             raise ValueError(f"{name}: the translation column has no language {lang!r}; it has {langs}")
-        column = flat[f"translation.{lang}"][:]
-        for row, text in enumerate(column):
-            if not isinstance(text, str):
-                raise ValueError(f"{name}: row {row} has no {lang!r} text (got {text!r})")
-        texts.append(column)
-    return texts[0], texts[1]
+    columns = [f"translation.{src_lang}", f"translation.{tgt_lang}"]
+    row = 0
+    for batch in flat.select_columns(columns).iter(batch_size=10_000):
+        for src, tgt in zip(batch[columns[0]], batch[columns[1]]):
+            for lang, text in ((src_lang, src), (tgt_lang, tgt)):
+                if not isinstance(text, str):
+                    raise ValueError(f"{name}: row {row} has no {lang!r} text (got {text!r})")
+            yield src, tgt
+            row += 1
+
+
+def read_hf(
+    dataset: str | datasets.Dataset, src_lang: str, tgt_lang: str, **kwargs: Any
+) -> tuple[list[str], list[str]]:
+    return _lists(iter_hf(dataset, src_lang, tgt_lang, **kwargs))
 
 
 def hf_splits(name: str, config: str | None, data_files: Any) -> datasets.DatasetDict:
@@ -129,7 +182,7 @@ def hf_splits(name: str, config: str | None, data_files: Any) -> datasets.Datase
     return loaded
 
 
-def read_pairs(
+def iter_pairs(
     spec: str,
     src_lang: str,
     tgt_lang: str,
@@ -137,26 +190,56 @@ def read_pairs(
     errors: Errors = "strict",
     split: str = "train",
     data_files: dict[str, list[str]] | None = None,
-) -> tuple[list[str], list[str]]:
+) -> Pairs:
     """The CLI's one way in to a parallel corpus:
 
-    - `hf:NAME[:CONFIG[:SPLIT]]`: a Hugging Face dataset (read_hf); SPLIT defaults to `split`;
-    - `*.tsv[.gz]`, a file that is not a PREFIX (a pipe, say), or "-" for standard input: read_tsv;
-    - otherwise PREFIX: PREFIX.SRC_LANG and PREFIX.TGT_LANG (read_parallel).
+    - `hf:NAME[:CONFIG[:SPLIT]]`: a Hugging Face dataset (iter_hf); SPLIT defaults to `split`;
+    - `*.tsv[.gz]`, a file that is not a PREFIX (a pipe, say), or "-" for standard input: iter_tsv;
+    - otherwise PREFIX: PREFIX.SRC_LANG and PREFIX.TGT_LANG (iter_parallel).
 
     `errors` applies to files (Hugging Face text arrives decoded); `data_files` to Hugging Face datasets.
     """
     if spec.startswith("hf:"):
-        name, config, spec_split = (spec.removeprefix("hf:").split(":") + ["", ""])[:3]
-        if not name or spec.count(":") > 3:
-            raise ValueError(f"{spec!r}: expected {HF_SPEC}")
-        return read_hf(
-            name, src_lang, tgt_lang, split=spec_split or split, config=config or None, data_files=data_files
-        )
-    is_prefix = any(Path(f"{spec}.{lang}{gz}").exists() for lang in (src_lang,) for gz in ("", ".gz"))
-    if spec == "-" or spec.endswith((".tsv", ".tsv.gz")) or (Path(spec).exists() and not is_prefix):
-        return read_tsv(spec, errors=errors)
-    return read_parallel(spec, src_lang, tgt_lang, errors=errors)
+        name, config, spec_split = parse_hf(spec)
+        split = spec_split or split
+        return iter_hf(name, src_lang, tgt_lang, split=split, config=config, data_files=data_files)
+    if is_tsv(spec, src_lang):
+        return iter_tsv(spec, errors=errors)
+    return iter_parallel(spec, src_lang, tgt_lang, errors=errors)
+
+
+def read_pairs(spec: str, src_lang: str, tgt_lang: str, **kwargs: Any) -> tuple[list[str], list[str]]:
+    return _lists(iter_pairs(spec, src_lang, tgt_lang, **kwargs))
+
+
+def parse_hf(spec: str) -> tuple[str, str | None, str | None]:
+    """hf:NAME[:CONFIG[:SPLIT]] -> (NAME, CONFIG or None, SPLIT or None)."""
+    name, config, split = (spec.removeprefix("hf:").split(":") + ["", ""])[:3]
+    if not name or spec.count(":") > 3:
+        raise ValueError(f"{spec!r}: expected {HF_SPEC}")
+    return name, config or None, split or None
+
+
+def is_tsv(spec: str, src_lang: str) -> bool:
+    """A TSV spec: *.tsv[.gz], "-", or a file (a pipe, say) that is not the PREFIX of PREFIX.SRC_LANG."""
+    is_prefix = any(Path(f"{spec}.{src_lang}{gz}").exists() for gz in ("", ".gz"))
+    return spec == "-" or spec.endswith((".tsv", ".tsv.gz")) or (Path(spec).exists() and not is_prefix)
+
+
+def rereadable(spec: str, src_lang: str) -> bool:
+    """Whether a corpus can be read twice: not standard input, not a pipe."""
+    if spec.startswith("hf:"):
+        return True
+    paths = [Path(spec)] if is_tsv(spec, src_lang) else [Path(f"{spec}.{src_lang}")]
+    return all(p != STDIN and (not p.exists() or p.is_file()) for p in paths)
+
+
+def _lists(pairs: Pairs) -> tuple[list[str], list[str]]:
+    src, tgt = [], []
+    for s, t in pairs:
+        src.append(s)
+        tgt.append(t)
+    return src, tgt
 
 
 def _find(prefix: str | Path, lang: str) -> Path:
@@ -165,9 +248,6 @@ def _find(prefix: str | Path, lang: str) -> Path:
         if path.exists() and not path.is_dir():
             return input_path(path)
     raise ValueError(f"no {lang!r} file for prefix {str(prefix)!r}; tried {', '.join(map(str, tried))}")
-
-
-STDIN = Path("-")  # standard input, as a path
 
 
 def input_path(path: str | Path) -> Path:
@@ -184,60 +264,54 @@ def input_path(path: str | Path) -> Path:
     return path
 
 
-def _read_bytes(path: Path) -> bytes:
-    """All bytes of a file, pipe or standard input, gunzipped when they are gzip (by name or content)."""
-    try:
-        if path != STDIN:
-            data = path.read_bytes()
-        elif hasattr(sys.stdin, "buffer"):
-            data = sys.stdin.buffer.read()
-        else:  # a text stream put in its place (a notebook, a test): it has decoded already
-            data = sys.stdin.read().encode("utf-8", "surrogateescape")
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-    if path.suffix == ".gz" or data[:2] == b"\x1f\x8b":
-        # gzip reports damage as three unrelated types (OSError, EOFError, zlib.error); all mean the same.
+@contextlib.contextmanager
+def _open_binary(path: Path) -> Iterator[IO[bytes]]:
+    """The bytes of a file, pipe or standard input, through gunzip when they are gzip (by name or content)."""
+    if path == STDIN:
+        stream = getattr(sys.stdin, "buffer", None)
+        if stream is None:  # a text stream put in its place (a notebook, a test): it has decoded already
+            stream = io.BytesIO(sys.stdin.read().encode("utf-8", "surrogateescape"))
+        raw, owned = io.BufferedReader(stream) if not hasattr(stream, "peek") else stream, False
+    else:
         try:
-            return gzip.decompress(data)
+            raw, owned = open(path, "rb"), True
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        if path.suffix == ".gz" or raw.peek(2)[:2] == b"\x1f\x8b":
+            with gzip.GzipFile(fileobj=raw) as unzipped:
+                yield unzipped
+        else:
+            yield raw
+    finally:
+        if owned:
+            raw.close()
+
+
+def _count_lines(path: Path) -> int:
+    """Lines as iter_lines counts them, read in blocks without decoding."""
+    with _open_binary(path) as f:
+        try:
+            n, last = 0, b"\n"
+            while block := f.read(1 << 20):
+                n, last = n + block.count(b"\n"), block[-1:]
         except (gzip.BadGzipFile, EOFError, zlib.error) as e:
             raise ValueError(f"{path}: not a readable gzip file ({e})") from None
-    return data
+    return n + (last != b"\n")
 
 
-def _count_lines(data: bytes) -> int:
-    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
-
-
-def _split_lines(data: bytes, path: Path, errors: Errors) -> list[str]:
-    """Decode UTF-8 and split on "\\n" only, dropping a trailing "\\r" of each line (CRLF files)."""
+def _decode(raw: bytes, path: Path, number: int, errors: Errors) -> str:
+    if raw.endswith(b"\n"):
+        raw = raw[:-1]
+    if raw.endswith(b"\r"):
+        raw = raw[:-1]
     try:
-        text = data.decode("utf-8", errors=errors)
+        return raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
         raise ValueError(
-            f"{path}:{line}: not UTF-8, bad bytes {data[e.start : e.end]!r} "
+            f"{path}:{number}: not UTF-8, bad bytes {raw[e.start : e.end]!r} "
             "(convert it to UTF-8, or read U+FFFD in their place with --encoding-errors replace)"
         ) from None
-    return split_lines(text)
-
-
-def split_lines(text: str) -> list[str]:
-    """Lines split on "\\n" only (a final newline ends the last line), each without a trailing "\\r".
-
-    Not str.splitlines(): it also splits on \\x0b, \\x1c, \\x85, \\u2028..., so there would be more
-    lines than `wc -l` counts and translations would no longer line up with their sources.
-    """
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
-
-
-def read_lines(path: str | Path, errors: Errors = "strict") -> list[str]:
-    """Lines of one UTF-8 text file (plain or gzipped; a pipe, or "-" for standard input); a missing or
-    bad file is a ValueError naming it."""
-    path = input_path(path)
-    return _split_lines(_read_bytes(path), path, errors)
 
 
 # Cleaning and filtering -----------------------------------------------------------------------------------
@@ -299,12 +373,36 @@ def split_valid(
     return [src[i] for i in train], [tgt[i] for i in train], [src[i] for i in valid], [tgt[i] for i in valid]
 
 
-# The corpus of a training run -------------------------------------------------------------------------
+# The text of a corpus -------------------------------------------------------------------------------------
+
+
+class TextDigest:
+    """A digest of pairs of text, fed a pair at a time: what a resumed run must train on again."""
+
+    def __init__(self) -> None:
+        self.h, self.pairs = hashlib.sha256(), 0
+
+    def update(self, src: str, tgt: str) -> None:
+        self.h.update(
+            src.encode("utf-8", "surrogatepass") + b"\t" + tgt.encode("utf-8", "surrogatepass") + b"\n"
+        )
+        self.pairs += 1
+
+    def value(self) -> str:
+        return f"{self.pairs} pairs, sha256 {self.h.hexdigest()[:16]}"
+
+
+def text_digest(pairs: Iterable[tuple[str, str]]) -> str:
+    digest = TextDigest()
+    for src, tgt in pairs:
+        digest.update(src, tgt)
+    return digest.value()
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """Cleaned training and validation pairs of one translation direction, as text."""
+    """Training and validation pairs of one translation direction, as text in memory (prepare.py turns
+    them, as any other source, into the ids training reads)."""
 
     train_src: list[str]
     train_tgt: list[str]
@@ -313,77 +411,54 @@ class Corpus:
     src_lang: str = "src"
     tgt_lang: str = "tgt"
 
-    def fingerprint(self) -> dict[str, str]:
-        """The direction and a digest of the text of each part: what a resumed run must train on again."""
-
-        def digest(src: list[str], tgt: list[str]) -> str:
-            h = hashlib.sha256()
-            for s, t in zip(src, tgt):
-                h.update(
-                    s.encode("utf-8", "surrogatepass") + b"\t" + t.encode("utf-8", "surrogatepass") + b"\n"
-                )
-            return f"{len(src)} pairs, sha256 {h.hexdigest()[:16]}"
-
-        return {
-            "src_lang": self.src_lang,
-            "tgt_lang": self.tgt_lang,
-            "train_data": digest(self.train_src, self.train_tgt),
-            "valid_data": digest(self.valid_src, self.valid_tgt),
-        }
-
-
-def read_corpus(
-    train: str,
-    src_lang: str,
-    tgt_lang: str,
-    *,
-    valid: str | None = None,
-    valid_fraction: float | None = None,
-    seed: int = 1,
-    errors: Errors = "strict",
-    data_files: dict[str, list[str]] | None = None,
-    say: Any = print,
-) -> Corpus:
-    """Read and clean the training pairs and their validation pairs, from --valid, a held-out
-    valid_fraction of the training pairs, or (for a Hugging Face dataset) its validation split.
-
-    say: where to report what was read and dropped (one line each).
-    """
-    if valid is not None and valid_fraction is not None:
-        raise ValueError(
-            "give validation data (--valid) or a fraction to hold out (--valid-fraction), not both"
-        )
-    src, tgt, report = clean_pairs(
-        *read_pairs(train, src_lang, tgt_lang, errors=errors, data_files=data_files)
-    )
-    say(f"training pairs: {report}")
-    if not src:
-        raise ValueError(f"{train}: no training pairs left after dropping empty lines")
-    if valid_fraction is not None:
-        src, tgt, valid_src, valid_tgt = split_valid(src, tgt, valid_fraction, seed)
-        return Corpus(src, tgt, valid_src, valid_tgt, src_lang, tgt_lang)
-    if valid is None and train.startswith("hf:") and train.count(":") < 3:  # no SPLIT named
-        name, _, config = train.removeprefix("hf:").partition(":")
-        if "validation" not in hf_splits(name, config or None, data_files):
-            say(f"{train} has no validation split: training without validation")
-            return Corpus(src, tgt, src_lang=src_lang, tgt_lang=tgt_lang)
-        valid = train  # its validation split, read below
-    if valid is None:
-        return Corpus(src, tgt, src_lang=src_lang, tgt_lang=tgt_lang)
-    pairs = read_pairs(valid, src_lang, tgt_lang, errors=errors, split="validation", data_files=data_files)
-    valid_src, valid_tgt, valid_report = clean_pairs(*pairs)
-    say(f"validation pairs: {valid_report}")
-    if not valid_src:
-        raise ValueError(f"{valid}: no validation pairs ({valid_report}); leave out --valid to train without")
-    return Corpus(src, tgt, valid_src, valid_tgt, src_lang, tgt_lang)
+    def pairs(self) -> Iterator[tuple[str, str]]:
+        return zip(self.train_src, self.train_tgt)
 
 
 # Batching -------------------------------------------------------------------------------------------------
 
 
 def make_batches(
-    src_lens: list[int], tgt_lens: list[int], max_tokens: int, *, seed: int, epoch: int, bucket: bool = True
+    src_lens: Sequence[int],
+    tgt_lens: Sequence[int],
+    max_tokens: int,
+    *,
+    seed: int,
+    epoch: int,
+    bucket: bool = True,
 ) -> list[list[int]]:
+    """batch_plan as lists of pair indices."""
+    return list(batch_plan(src_lens, tgt_lens, max_tokens, seed=seed, epoch=epoch, bucket=bucket))
+
+
+@dataclass(frozen=True)
+class BatchPlan(Sequence):
+    """The batches of one epoch in three arrays, not a list per batch: a few bytes per pair, so that the
+    plan of a corpus of millions of pairs stays small. plan[j] is the j-th batch (a list of pair indices)."""
+
+    order: np.ndarray  # (P,) pair indices in packing order
+    starts: np.ndarray  # (n + 1,) where each batch begins in `order`, then P
+    schedule: np.ndarray  # (n,) the batches in the order they are used
+
+    def __len__(self) -> int:
+        return len(self.schedule)
+
+    def __getitem__(self, j: Any) -> Any:
+        if isinstance(j, slice):
+            return [self[k] for k in range(*j.indices(len(self)))]
+        b = int(self.schedule[j])
+        return self.order[self.starts[b] : self.starts[b + 1]].tolist()
+
+
+def batch_plan(
+    src_lens: Sequence[int],
+    tgt_lens: Sequence[int],
+    max_tokens: int,
+    *,
+    seed: int,
+    epoch: int,
+    bucket: bool = True,
+) -> BatchPlan:
     """Cut pair indices into batches whose padded size stays within max_tokens; every pair once per epoch.
 
     A batch costs len(batch) * max(longest source, longest target): the larger of the two padded tensors.
@@ -414,49 +489,50 @@ def make_batches(
         order = np.lexsort((rng.random(len(src)), src, longest))
     else:
         order = rng.permutation(len(src))
+    widths = longest[order]
+    del longest, src, tgt
 
-    batches: list[list[int]] = []
-    batch: list[int] = []
-    width = 0
-    for i, length in zip(order.tolist(), longest[order].tolist()):
-        new_width = max(width, length)
-        if (len(batch) + 1) * new_width > max_tokens:
-            batches.append(batch)
-            batch, new_width = [], length
-        batch.append(i)
-        width = new_width
-    if batch:
-        batches.append(batch)
-
-    if bucket:
-        batches = [batches[j] for j in rng.permutation(len(batches)).tolist()]
-    return batches
+    starts, size, width = [0], 0, 0
+    for lo in range(0, len(order), 1 << 16):  # in blocks: a list of every length at once would be large
+        for length in widths[lo : lo + (1 << 16)].tolist():
+            new_width = max(width, length)
+            if (size + 1) * new_width > max_tokens:
+                starts.append(starts[-1] + size)
+                size, new_width = 0, length
+            size += 1
+            width = new_width
+    if size:
+        starts.append(starts[-1] + size)
+    n = len(starts) - 1
+    schedule = rng.permutation(n) if bucket else np.arange(n)
+    return BatchPlan(order, np.asarray(starts, dtype=np.int64), schedule)
 
 
 def collate(
-    src_ids: list[list[int]], tgt_ids: list[list[int]], batch: list[int]
+    src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]], batch: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pad one batch to its own longest sequences (never to a fixed maximum).
 
-    Target ids end with EOS; the decoder reads tgt_in = [BOS] + tgt[:-1] and predicts tgt_out = tgt.
+    src_ids[i], tgt_ids[i]: the ids of pair i (lists, or arrays of a prepared corpus). Target ids end
+    with EOS; the decoder reads tgt_in = [BOS] + tgt[:-1] and predicts tgt_out = tgt.
     """
-    for i in batch:
-        if not tgt_ids[i]:
+    srcs, tgts = [src_ids[i] for i in batch], [tgt_ids[i] for i in batch]
+    for i, t in zip(batch, tgts):
+        if len(t) == 0:
             raise ValueError(f"pair {i} has an empty target; target ids must end with EOS")
-    n_src = max(len(src_ids[i]) for i in batch)
-    n_tgt = max(len(tgt_ids[i]) for i in batch)
-    src_rows = [src_ids[i] + [PAD_ID] * (n_src - len(src_ids[i])) for i in batch]
-    tgt_in_rows = [[BOS_ID, *tgt_ids[i][:-1]] + [PAD_ID] * (n_tgt - len(tgt_ids[i])) for i in batch]
-    tgt_out_rows = [tgt_ids[i] + [PAD_ID] * (n_tgt - len(tgt_ids[i])) for i in batch]
-    src = torch.tensor(src_rows, dtype=torch.long)  # (B, S)
-    tgt_in = torch.tensor(tgt_in_rows, dtype=torch.long)  # (B, T)
-    tgt_out = torch.tensor(tgt_out_rows, dtype=torch.long)  # (B, T)
-    return src, tgt_in, tgt_out
+    src = np.full((len(batch), max(len(x) for x in srcs)), PAD_ID, dtype=np.int64)  # (B, S)
+    tgt_out = np.full((len(batch), max(len(y) for y in tgts)), PAD_ID, dtype=np.int64)  # (B, T)
+    tgt_in = tgt_out.copy()  # (B, T)
+    for row, (x, y) in enumerate(zip(srcs, tgts)):
+        src[row, : len(x)] = x
+        tgt_out[row, : len(y)] = y
+        tgt_in[row, 0], tgt_in[row, 1 : len(y)] = BOS_ID, y[:-1]
+    return torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)
 
 
 __all__ = [
     "Corpus",
-    "read_corpus",
+    "text_digest",
     "read_parallel",
     "read_tsv",
     "read_hf",
@@ -465,5 +541,7 @@ __all__ = [
     "filter_lengths",
     "split_valid",
     "make_batches",
+    "batch_plan",
+    "BatchPlan",
     "collate",
 ]

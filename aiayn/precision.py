@@ -12,8 +12,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-Dtype = Literal["auto", "fp32", "bf16", "int8"]
-TrainDtype = Literal["auto", "fp32", "bf16"]  # int8 is for translation only
+Dtype = Literal["auto", "fp32", "bf16", "fp16", "int8"]
+TrainDtype = Literal["auto", "fp32", "bf16", "fp16"]  # int8 is for translation only
 DEFAULT_DTYPE = "auto"
 
 
@@ -21,12 +21,41 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def resolve_dtype(dtype: Dtype, device: torch.device) -> Literal["bf16", "fp32", "int8"]:
+def resolve_device(name: str = "auto") -> torch.device:
+    """auto: CUDA when there is a GPU, else the CPU; cpu, cuda, cuda:N as torch names them."""
+    if name == "auto":
+        return default_device()
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: aiayn runs on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+def configure(device: torch.device) -> None:
+    """Process-wide settings for fast math on the device: TF32 matmuls and convolutions on CUDA (the
+    inputs of fp32 matmuls rounded to 10 mantissa bits; bf16 autocast, the default there, is coarser)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def resolve_dtype(dtype: Dtype, device: torch.device) -> Literal["bf16", "fp32", "fp16", "int8"]:
     """ "auto" -> bf16 where it is fast: CUDA, or a CPU with AMX tiles; fp32 elsewhere.
 
     Without AMX (e.g. a VM that hides it), CPU bf16 matmuls run on AVX-512 and were measured
-    slower than fp32 here (about 80 vs 140 GFLOP/s).
+    slower than fp32 here (about 80 vs 140 GFLOP/s). fp16 (with a gradient scaler in training) is a
+    CUDA option for GPUs without bf16.
     """
+    if dtype == "fp16" and device.type != "cuda":
+        raise ValueError("dtype fp16 is for CUDA; on the CPU use bf16 or fp32")
     if dtype != "auto":
         return dtype
     if device.type == "cuda":
@@ -35,10 +64,11 @@ def resolve_dtype(dtype: Dtype, device: torch.device) -> Literal["bf16", "fp32",
 
 
 def autocast(device: torch.device, dtype: Dtype) -> contextlib.AbstractContextManager:
-    """bf16 autocast, or nothing for fp32 (and int8, whose quantised layers choose for themselves)."""
-    if resolve_dtype(dtype, device) != "bf16":
+    """bf16 or fp16 autocast, or nothing for fp32 (and int8, whose quantised layers choose for themselves)."""
+    resolved = resolve_dtype(dtype, device)
+    if resolved not in ("bf16", "fp16"):
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, dtype=torch.bfloat16 if resolved == "bf16" else torch.float16)
 
 
 def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:

@@ -9,12 +9,14 @@ when asked for, tensorboard/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,15 +26,16 @@ from tqdm import tqdm
 
 from aiayn import checkpoint
 from aiayn.config import TrainConfig, save_json
-from aiayn.files import atomic_write, check_writable_dir, remove_temporaries
+from aiayn.files import TMP_SUFFIX, atomic_write, check_writable_dir, remove_temporaries
 from aiayn.model import Transformer
+from aiayn.prepare import Prepared
 from aiayn.tokenizer import JOINT_FILE, SRC_FILE, TGT_FILE, Tokenizer
 
-RUN_FILE, METRICS, TENSORBOARD = "run.json", "metrics.jsonl", "tensorboard"
+RUN_FILE, METRICS, TENSORBOARD, DATA = "run.json", "metrics.jsonl", "tensorboard", "data"
 # What makes OUT hold a run (or a model): a new run refuses such a directory without --force.
 RUN_FILES = (
     checkpoint.CONFIG, checkpoint.WEIGHTS, checkpoint.TRAIN_CONFIG, checkpoint.CHECKPOINTS, RUN_FILE, METRICS,
-    TENSORBOARD, JOINT_FILE, SRC_FILE, TGT_FILE,
+    TENSORBOARD, DATA, JOINT_FILE, SRC_FILE, TGT_FILE,
 )  # fmt: skip
 
 Mode = Literal["new", "resume", "force"]
@@ -55,15 +58,27 @@ class Progress:
 
 class Run:
     """One training run in OUT. `Run.open` alone decides whether it starts fresh, resumes or replaces
-    the run OUT holds; `begin` prepares OUT accordingly once every input has been checked."""
+    the run OUT holds; `begin` prepares OUT accordingly once every input has been checked.
+
+    With several ranks (torchrun) every rank has a Run, but only rank 0's (main) writes: the others
+    read what they must to resume, and their logging and saving do nothing.
+    """
 
     def __init__(
-        self, out: Path, start: Literal["fresh", "resume", "replace"], progress: bool, tensorboard: bool
+        self,
+        out: Path,
+        start: Literal["fresh", "resume", "replace"],
+        progress: bool,
+        tensorboard: bool,
+        main: bool = True,
+        world: int = 1,
     ):
         self.out = out
+        self.existed = out.exists()  # else a run that fails its checks removes the directory it made
         self.start = start
-        self.progress = progress
-        self.tensorboard = tensorboard
+        self.main, self.world = main, world
+        self.progress = progress and main
+        self.tensorboard = tensorboard and main
         self.writer: Any = None  # TensorBoard's SummaryWriter while the run is open
         self.bar: tqdm | None = None
         self.minutes_before = 0.0
@@ -76,10 +91,17 @@ class Run:
 
     @classmethod
     def open(
-        cls, out: str | Path, mode: Mode = "new", progress: bool = True, tensorboard: bool = False
+        cls,
+        out: str | Path,
+        mode: Mode = "new",
+        progress: bool = True,
+        tensorboard: bool = False,
+        main: bool = True,
+        world: int = 1,
     ) -> Run:
         """new: OUT must not hold a run; resume: continue OUT's last checkpoint (a run with none yet
-        starts over); force: replace what OUT holds, once the new run's inputs have been checked."""
+        starts over); force: replace what OUT holds, once the new run's inputs have been checked.
+        main, world: this rank is rank 0 of `world` (every rank must open before rank 0 begins)."""
         out = check_writable_dir(out, "run directory")
         held = [name for name in RUN_FILES if (out / name).exists()]
         has_checkpoint = bool(checkpoint.list_checkpoints(out))
@@ -103,7 +125,7 @@ class Run:
             )
         else:
             start = "fresh"
-        return cls(out, start, progress, tensorboard)
+        return cls(out, start, progress, tensorboard, main, world)
 
     @property
     def resuming(self) -> bool:
@@ -116,6 +138,28 @@ class Run:
         """The tokenizer of the run being resumed."""
         return Tokenizer.load(self.last_checkpoint())
 
+    @property
+    def data_dir(self) -> Path:
+        """Where a run that prepares its own corpus keeps it: OUT/data."""
+        return self.out / DATA
+
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Reading and checking the inputs, before OUT changes: if that fails, what was staged in OUT for
+        this run (a corpus prepared, not yet in OUT/data) is removed, and OUT too if this run made it,
+        so OUT is left as it was."""
+        try:
+            yield
+        except BaseException:
+            if self.main and self.out.is_dir():
+                remove_temporaries(self.out)
+                if not self.existed and not any(self.out.iterdir()):
+                    self.out.rmdir()
+            raise
+
+    def staged(self, data: Prepared) -> bool:
+        return data.directory.parent == self.out and data.directory.name.endswith(TMP_SUFFIX)
+
     # --- Beginning (OUT is changed from here on) ----------------------------------------------------
 
     def begin(
@@ -123,13 +167,15 @@ class Run:
         settings: dict[str, Any],
         model: Transformer,
         optimizer: torch.optim.Optimizer,
-        tokenizer: Tokenizer,
+        data: Prepared,
         train_config: TrainConfig,
     ) -> Progress:
         """Prepare OUT: a resume checks `settings` against the run's own and loads its last checkpoint
-        into model and optimizer (and the RNG); a replacement removes the old run first. -> Progress."""
-        self.tokenizer, self.train_config = tokenizer, train_config
-        self.out.mkdir(parents=True, exist_ok=True)
+        into model and optimizer; a replacement removes the old run first; a corpus prepared for this
+        run (staged in OUT) moves to OUT/data. -> Progress."""
+        self.tokenizer, self.train_config = data.tokenizer, train_config
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
         state = Progress()
         if self.resuming:
             last = self.last_checkpoint()
@@ -139,16 +185,19 @@ class Run:
             try:
                 optimizer.load_state_dict(saved["optimizer"])
                 state = Progress(**saved["progress"])
-                set_rng_state(saved["rng"])
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"{last / checkpoint.STATE}: does not fit this model ({e})") from None
-            self.truncate_metrics(state.metrics_bytes)
-        elif self.start == "replace":
+            if self.main:
+                self.truncate_metrics(state.metrics_bytes)
+        elif self.main and self.start == "replace":
             self.remove_run()
-        for directory in (self.out, self.out / checkpoint.CHECKPOINTS):
-            remove_temporaries(directory)  # what a killed save left behind
-        atomic_write(self.out / RUN_FILE, lambda p: p.write_text(json.dumps(settings, indent=1) + "\n"))
-        atomic_write(self.out / checkpoint.TRAIN_CONFIG, lambda p: save_json(train_config, p))
+        if self.main:
+            if self.staged(data):
+                data.commit(self.data_dir)
+            for directory in (self.out, self.out / checkpoint.CHECKPOINTS):
+                remove_temporaries(directory)  # what a killed save left behind
+            atomic_write(self.out / RUN_FILE, lambda p: p.write_text(json.dumps(settings, indent=1) + "\n"))
+            atomic_write(self.out / checkpoint.TRAIN_CONFIG, lambda p: save_json(train_config, p))
         self.minutes_before = state.minutes
         self.clock = self.tick = time.monotonic()
         self.open_writers()
@@ -177,6 +226,11 @@ class Run:
             for key in sorted(saved)
             if key in settings and saved[key] != settings[key]
         ]
+        key = "train.micro_batches_per_update"  # ranks x accumulate: any split of the same total resumes
+        if key in saved and saved[key] != settings.get(key, saved[key]) and saved[key] % self.world == 0:
+            differ.append(
+                f"with {self.world} rank(s), --set accumulate={saved[key] // self.world} resumes it"
+            )
         if differ:
             raise ValueError(
                 f"cannot resume {self.out} with other settings than it started with ({'; '.join(differ)}); "
@@ -239,7 +293,12 @@ class Run:
         """Close the writers; a new run that failed before its first checkpoint removes what it wrote, so
         that the corrected command can start again without --force."""
         self.close()
-        if error_type is not None and not self.resuming and not checkpoint.list_checkpoints(self.out):
+        if (
+            error_type is not None
+            and self.main
+            and not self.resuming
+            and not checkpoint.list_checkpoints(self.out)
+        ):
             self.remove_run()
 
     # --- Running ------------------------------------------------------------------------------------
@@ -250,6 +309,8 @@ class Run:
 
     def log(self, record: dict[str, Any], echo: bool = False) -> None:
         """Append to OUT/metrics.jsonl; numbers also go to TensorBoard; echo: also to the terminal."""
+        if not self.main:
+            return
         with open(self.out / METRICS, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None and "step" in record:
@@ -277,8 +338,12 @@ class Run:
         self.log({**record, "minutes": self.minutes()})
         self.tokens, self.tick = 0, time.monotonic()
 
-    def save_checkpoint(self, model: Transformer, optimizer: torch.optim.Optimizer, state: Progress) -> Path:
+    def save_checkpoint(
+        self, model: Transformer, optimizer: torch.optim.Optimizer, state: Progress
+    ) -> Path | None:
         """OUT/checkpoints/step_N with everything a resume needs; older ones pruned, the best one kept."""
+        if not self.main:
+            return None
         saved = dataclasses.replace(state, minutes=self.minutes(), metrics_bytes=self.metrics_length())
         payload = {"optimizer": optimizer.state_dict(), "progress": asdict(saved), "rng": rng_state()}
         path = checkpoint.save_checkpoint(
@@ -290,6 +355,8 @@ class Run:
 
     def save_model(self, model: Transformer) -> None:
         """OUT's model directory: the weights to translate with."""
+        if not self.main:
+            return
         checkpoint.save_model(self.out, model, self.tokenizer)
 
     def metrics_length(self) -> int:
@@ -314,9 +381,3 @@ def rng_state() -> dict[str, Any]:
     """The random state training consumes (dropout); data order comes from (seed, epoch) alone."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     return {"torch": torch.get_rng_state(), "cuda": cuda}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])

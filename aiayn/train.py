@@ -13,18 +13,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import sacrebleu
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from aiayn.checkpoint import checkpoint_path
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig
-from aiayn.data import Corpus, collate, filter_lengths, make_batches
+from aiayn.data import batch_plan, collate, filter_lengths, make_batches
+from aiayn.distributed import ONE, Ranks
 from aiayn.model import Transformer
-from aiayn.precision import autocast, default_device
+from aiayn.precision import autocast, configure, default_device, resolve_dtype
+from aiayn.prepare import Prepared
 from aiayn.run import Progress, Run
-from aiayn.tokenizer import PAD_ID, Tokenizer
+from aiayn.tokenizer import PAD_ID
 from aiayn.translate import Translator
 
 # --- §5.4 Label smoothing ---------------------------------------------------------------------------
@@ -58,55 +61,71 @@ def learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0
 
 
 def make_optimizer(model: Transformer, config: TrainConfig) -> torch.optim.Optimizer:
-    """Adam(beta1 0.9, beta2 0.98, eps 1e-9); the learning rate is set before every update."""
+    """Adam(beta1 0.9, beta2 0.98, eps 1e-9); the learning rate is set before every update. On CUDA the
+    fused kernel: one launch for all parameters."""
+    fused = next(model.parameters()).device.type == "cuda"
     return torch.optim.Adam(
-        model.parameters(), lr=0.0, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps
+        model.parameters(),
+        lr=0.0,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        fused=fused,
     )
+
+
+def grad_scaler(config: TrainConfig, device: torch.device) -> torch.amp.GradScaler | None:
+    """fp16 (an option on CUDA) keeps small gradients representable by scaling the loss; bf16 needs none."""
+    return torch.amp.GradScaler(device.type) if resolve_dtype(config.dtype, device) == "fp16" else None
 
 
 # --- The training loop ------------------------------------------------------------------------------
 
-# TrainConfig fields that decide which pairs make which update: a resumed run must keep them.
-DATA_ORDER = ("max_tokens", "accumulate", "max_len", "seed")
+# TrainConfig fields that decide which pairs make which update: a resumed run must keep them (and the
+# micro-batches per update, ranks x accumulate).
+DATA_ORDER = ("max_tokens", "max_len", "seed")
 
 
 def train(
     run: Run,
     model_config: ModelConfig,
     cfg: TrainConfig,
-    tokenizer: Tokenizer,
-    corpus: Corpus,
+    data: Prepared,
     device: torch.device | None = None,
     settings: dict[str, Any] | None = None,
+    ranks: Ranks = ONE,
 ) -> Result:
-    """Train into run.out until a limit, patience or a signal stops it (why: the Result).
+    """Train on a prepared corpus into run.out until a limit, patience or a signal stops it (the Result).
 
     Every stop but a crash ends validated, with OUT holding the best model by validation BLEU (the
     latest without validation data); a signal saves a checkpoint and says which weights OUT holds.
     settings: more that a resume must share (run.py); the model, data and languages always are.
+    ranks: the processes of a torchrun run; each update then takes `accumulate` micro-batches on each.
     """
     device = device or default_device()
-    pairs = Pairs.of(corpus, tokenizer, cfg.max_len)
-    check_positions(model_config, cfg, tokenizer, corpus)  # before anything is written
+    configure(device)
+    with run.checking():  # before anything is written
+        pairs = Pairs.of(data, cfg.max_len)
+        check_positions(model_config, cfg, data)
     torch.manual_seed(cfg.seed)
     model = Transformer(model_config).to(device)
-    optimizer = make_optimizer(model, cfg)
-    state = run.begin(run_settings(model_config, cfg, corpus, settings), model, optimizer, tokenizer, cfg)
-    sizes = {"pairs": len(pairs.src), "too_long": pairs.too_long, "params": model.num_parameters()}
+    optimizer, scaler = make_optimizer(model, cfg), grad_scaler(cfg, device)
+    state = run.begin(run_settings(model_config, cfg, data, settings, ranks), model, optimizer, data, cfg)
+    sizes = {"pairs": len(pairs.keep), "too_long": pairs.too_long, "params": model.num_parameters()}
     run.log({"event": "data", **sizes}, echo=True)
-    validation = Validation(tokenizer, corpus, cfg, device)
-    model.train()
+    validation, ddp = Validation(data, cfg, device), ranks.wrap(model.train())
     with run:  # a run that fails before its first checkpoint leaves OUT as it found it
         with stop_signals() as signals:
-            stop = stop_reason(state, cfg, run, signals)  # a resumed run may be done already
-            for group in update_groups(pairs.lengths(), cfg, state) if stop is None else ():
+            stop = agree(ranks, stop_reason(state, cfg, run, signals), device)  # a resumed run may be done
+            for group in update_groups(pairs.lengths(), cfg, state, ranks.world) if stop is None else ():
                 if group is None:  # an epoch ended: validate, unless valid_every says when
                     if not cfg.valid_every:
                         stop = validate_and_save(run, validation, model, optimizer, state)
                 else:
                     lr = learning_rate(state.step + 1, model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
                     with out_of_memory_is_a_batch_size_error(cfg, state.step + 1):
-                        loss, n_tokens = train_step(model, optimizer, pairs.tensors(group, device), lr, cfg)
+                        batches, seeds, dummy = pairs.share(group, ranks, cfg.seed, state.step + 1, device)
+                        step = Step(lr, seeds, dummy, ranks, scaler)
+                        loss, n_tokens = train_step(ddp, optimizer, batches, lr, cfg, step=step)
                     if not math.isfinite(loss):
                         skip_nonfinite(run, cfg, state, loss)
                         continue
@@ -114,18 +133,14 @@ def train(
                     run.update(state, loss / n_tokens, lr, n_tokens)
                     if cfg.valid_every and state.step % cfg.valid_every == 0:
                         stop = validate_and_save(run, validation, model, optimizer, state)
-                    stop = stop or stop_reason(state, cfg, run, signals)
-                if stop:
+                if stop := agree(ranks, stop or stop_reason(state, cfg, run, signals), device):
                     break
             stop = stop or Stop("max_epochs")
         if stop.signal is not None:  # a second Ctrl-C from here on stops at once
             save_on_signal(run, model, optimizer, state)
         elif state.validated_step != state.step:  # every other stop ends on a validated model
             validate_and_save(run, validation, model, optimizer, state, scheduled=False)
-    validated = state.best_step <= state.validated_step
-    result = Result(stop, state.step, state.best_bleu, state.best_step, validated, run.last_checkpoint())
-    run.log(result.record())
-    return result
+    return finish(run, state, stop)
 
 
 @dataclass(frozen=True)
@@ -143,55 +158,104 @@ class Result:
     best_bleu: float  # -1 without validation data
     model_step: int  # the update whose weights OUT holds as its model
     model_validated: bool  # False: a signal stopped the run before its first validation
-    checkpoint: Path  # the last checkpoint, to resume from
+    checkpoint: Path | None  # the last checkpoint, to resume from (None on ranks other than 0)
 
     def record(self) -> dict[str, Any]:
         reason = self.stop.reason if self.stop.signal is None else f"signal {self.stop.signal}"
         return {"event": "stop", "reason": reason, "step": self.step, "best_bleu": self.best_bleu}
 
 
+def finish(run: Run, state: Progress, stop: Stop) -> Result:
+    validated = state.best_step <= state.validated_step
+    last = run.last_checkpoint() if run.main else None
+    result = Result(stop, state.step, state.best_bleu, state.best_step, validated, last)
+    run.log(result.record())
+    return result
+
+
+REASONS = ("max_epochs", "max_updates", "max_minutes", "patience")
+
+
+def agree(ranks: Ranks, stop: Stop | None, device: torch.device) -> Stop | None:
+    """What stops one rank stops all, at the same update: one small all-reduce of flags."""
+    if ranks.world == 1:
+        return stop
+    flags = [0] * (len(REASONS) + 1)
+    if stop is not None and stop.signal is not None:
+        flags[0] = signal.Signals[stop.signal].value
+    elif stop is not None:
+        flags[1 + REASONS.index(stop.reason)] = 1
+    flags = ranks.max(flags, device)
+    if flags[0]:
+        return Stop("signal", signal.Signals(flags[0]).name)
+    return next((Stop(reason) for reason, flag in zip(REASONS, flags[1:]) if flag), None)
+
+
 def run_settings(
-    model_config: ModelConfig, cfg: TrainConfig, corpus: Corpus, extra: dict[str, Any] | None
+    model_config: ModelConfig, cfg: TrainConfig, data: Prepared, extra: dict[str, Any] | None, ranks: Ranks
 ) -> dict[str, Any]:
     """What a resume must share with the run it continues: model, data, languages (and `extra`)."""
     model = {f"model.{k}": v for k, v in asdict(model_config).items()}
     order = {f"train.{k}": getattr(cfg, k) for k in DATA_ORDER}
-    return {**corpus.fingerprint(), **model, **order, **(extra or {})}
+    order["train.micro_batches_per_update"] = ranks.world * cfg.accumulate
+    return {**data.fingerprint(), **model, **order, **(extra or {})}
 
 
 @dataclass
 class Pairs:
-    """Tokenized training pairs with at most max_len tokens on both sides."""
+    """The prepared training pairs with at most max_len tokens on both sides."""
 
-    src: list[list[int]]
-    tgt: list[list[int]]
+    data: Prepared
+    keep: np.ndarray  # (P,) indices of those pairs in the prepared corpus
     too_long: int
 
     @classmethod
-    def of(cls, corpus: Corpus, tokenizer: Tokenizer, max_len: int) -> Pairs:
-        src, tgt = tokenizer.encode_src(corpus.train_src), tokenizer.encode_tgt(corpus.train_tgt)
-        keep, too_long = filter_lengths(src, tgt, max_len)
-        if not keep:
+    def of(cls, data: Prepared, max_len: int) -> Pairs:
+        src, tgt = data.src.lengths, data.tgt.lengths
+        keep = np.flatnonzero((src <= max_len) & (tgt <= max_len))
+        if not len(keep):
             raise ValueError(f"no training pair has at most max_len={max_len} tokens on both sides")
-        return cls([src[i] for i in keep], [tgt[i] for i in keep], too_long)
+        return cls(data, keep, len(src) - len(keep))
 
-    def lengths(self) -> tuple[list[int], list[int]]:
-        return [len(x) for x in self.src], [len(x) for x in self.tgt]
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.data.src.lengths[self.keep], self.data.tgt.lengths[self.keep]
 
-    def tensors(self, group: list[list[int]], device: torch.device) -> list[list[Tensor]]:
-        """[src (B, S), tgt_in (B, T), tgt_out (B, T)] of each micro-batch, on the device."""
-        return [[t.to(device) for t in collate(self.src, self.tgt, batch)] for batch in group]
+    def share(
+        self, group: list[list[int]], ranks: Ranks, seed: int, update: int, device: torch.device
+    ) -> tuple[list[list[Tensor]], list[int], bool]:
+        """This rank's micro-batches of the update's global group (ranks take turns: rank r has r, r+W,
+        ...), on the device, and the dropout seed of each. A rank left without one (an epoch's tail)
+        gets the first with dummy=True: it computes, and its loss counts zero."""
+        mine = list(range(ranks.rank, len(group), ranks.world))
+        dummy = not mine
+        tensors = [self.tensors(group[j], device) for j in (mine or [0])]
+        return tensors, [dropout_seed(seed, update, j) for j in (mine or [0])], dummy
+
+    def tensors(self, batch: list[int], device: torch.device) -> list[Tensor]:
+        """[src (B, S), tgt_in (B, T), tgt_out (B, T)] of one micro-batch, on the device."""
+        tensors = collate(self.data.src, self.data.tgt, self.keep[batch].tolist())
+        if device.type == "cuda":  # page-locked: the copy runs while the GPU computes
+            return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+        return [t.to(device) for t in tensors]
+
+
+def dropout_seed(seed: int, update: int, micro_batch: int) -> int:
+    """The random state of one micro-batch (its dropout masks): the same on any number of ranks and
+    after a resume, with no random state to carry."""
+    return int(np.random.SeedSequence([seed, update, micro_batch]).generate_state(1, np.uint64)[0])
 
 
 def update_groups(
-    lengths: tuple[list[int], list[int]], cfg: TrainConfig, state: Progress
+    lengths: tuple[np.ndarray, np.ndarray], cfg: TrainConfig, state: Progress, world: int = 1
 ) -> Iterator[list[list[int]] | None]:
-    """The micro-batches of each update from where `state` stands, epoch after epoch up to max_epochs,
-    and None at the end of each epoch; state.epoch and state.batch follow what has been given out."""
+    """The micro-batches of each update (accumulate on each of `world` ranks) from where `state` stands,
+    epoch after epoch up to max_epochs, and None at the end of each epoch; state.epoch and state.batch
+    follow what has been given out. Every rank computes the same groups."""
+    per_update = cfg.accumulate * world
     while not cfg.max_epochs or state.epoch < cfg.max_epochs:
-        batches = make_batches(*lengths, cfg.max_tokens, seed=cfg.seed, epoch=state.epoch)
+        batches = batch_plan(*lengths, cfg.max_tokens, seed=cfg.seed, epoch=state.epoch)
         while state.batch < len(batches):
-            group = batches[state.batch : state.batch + cfg.accumulate]
+            group = batches[state.batch : state.batch + per_update]
             state.batch += len(group)
             yield group
         state.epoch, state.batch = state.epoch + 1, 0
@@ -225,36 +289,67 @@ def stop_signals() -> Iterator[list[str]]:
             signal.signal(s, handler)
 
 
+@dataclass(frozen=True)
+class Step:
+    """How one update runs besides its batches: on several ranks, with seeded dropout, fp16 scaling."""
+
+    lr: float
+    seeds: list[int] | None = None  # the dropout seed of each micro-batch; None: the RNG as it stands
+    dummy: bool = False  # this rank has no micro-batch in this update: its one counts zero
+    ranks: Ranks = ONE
+    scaler: torch.amp.GradScaler | None = None  # fp16: the loss scaled so small gradients stay normal
+
+
 def train_step(
-    model: Transformer,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     micro_batches: list[list[Tensor]],
     lr: float,
     cfg: TrainConfig,
+    step: Step | None = None,
 ) -> tuple[float, int]:
-    """One update from k micro-batches [src (B, S), tgt_in (B, T), tgt_out (B, T)]; (summed loss, tokens).
+    """One update from k micro-batches [src (B, S), tgt_in (B, T), tgt_out (B, T)]; (summed loss, tokens)
+    of the whole update, over all ranks.
 
     Gradient accumulation: every micro-batch's summed loss is divided by the target tokens of the
-    whole update, so k micro-batches give exactly the gradient of one k-times-larger batch.
-    When the loss is not finite no step is taken and the gradients are dropped.
+    whole update (all its micro-batches on all ranks, all-reduced before any backward), so k
+    micro-batches on W ranks give exactly the gradient of one batch holding them all (DDP sums the
+    ranks' gradients; it synchronises on the last micro-batch only). When the loss is not finite no
+    step is taken and the gradients are dropped, on every rank alike.
     """
-    n_tokens = sum(int((tgt_out != PAD_ID).sum()) for _, _, tgt_out in micro_batches)
+    step = step or Step(lr)
+    device = micro_batches[0][0].device
+    local = 0 if step.dummy else sum(int((tgt_out != PAD_ID).sum()) for _, _, tgt_out in micro_batches)
+    n_tokens = int(step.ranks.sum([local], device)[0])
     loss_total = torch.zeros(())
-    for src, tgt_in, tgt_out in micro_batches:
-        with autocast(src.device, cfg.dtype):
-            real = tgt_out != PAD_ID  # (B, T)
-            logits = model(src, tgt_in, where=real)  # (n, V): no vocabulary work on padding
-        loss, _ = label_smoothed_loss(logits, tgt_out[real], cfg.label_smoothing)
-        (loss / n_tokens).backward()
-        loss_total += loss.detach().cpu()
-    if torch.isfinite(loss_total):
-        if cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+    for j, (src, tgt_in, tgt_out) in enumerate(micro_batches):
+        if step.seeds is not None:
+            torch.manual_seed(step.seeds[j])
+        last = j == len(micro_batches) - 1
+        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with autocast(src.device, cfg.dtype):
+                real = tgt_out != PAD_ID  # (B, T)
+                logits = model(src, tgt_in, where=real)  # (n, V): no vocabulary work on padding
+            loss, _ = label_smoothed_loss(logits, tgt_out[real], cfg.label_smoothing)
+            scaled = (loss * 0.0 if step.dummy else loss) / n_tokens
+            (step.scaler.scale(scaled) if step.scaler else scaled).backward()
+        if not step.dummy:
+            loss_total += loss.detach().cpu()
+    (loss_sum,) = step.ranks.sum([loss_total.item()], device)
+    if math.isfinite(loss_sum):
         for group in optimizer.param_groups:
             group["lr"] = lr
-        optimizer.step()
+        if step.scaler is not None:
+            step.scaler.unscale_(optimizer)  # clipping sees the true gradients
+        if cfg.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+        if step.scaler is not None:
+            step.scaler.step(optimizer)  # skipped where fp16 gradients overflowed; the scale then shrinks
+            step.scaler.update()
+        else:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_total.item(), n_tokens
+    return loss_sum, n_tokens
 
 
 @contextlib.contextmanager
@@ -298,19 +393,18 @@ def skip_nonfinite(run: Run, cfg: TrainConfig, state: Progress, loss: float) -> 
 class Validation:
     """Validation loss, perplexity and BLEU (sacreBLEU, detokenized, 13a) of a model being trained."""
 
-    tokenizer: Tokenizer
-    corpus: Corpus
+    data: Prepared
     cfg: TrainConfig
     device: torch.device
 
     @torch.no_grad()
     def __call__(self, model: Transformer) -> dict[str, Any]:
         """{} without validation data."""
-        src_text, tgt_text = self.corpus.valid_src, self.corpus.valid_tgt
+        tokenizer, src_text, tgt_text = self.data.tokenizer, self.data.valid_src, self.data.valid_tgt
         if not src_text:
             return {}
         model.eval()
-        src_ids, tgt_ids = self.tokenizer.encode_src(src_text), self.tokenizer.encode_tgt(tgt_text)
+        src_ids, tgt_ids = tokenizer.encode_src(src_text), tokenizer.encode_tgt(tgt_text)
         keep, _ = filter_lengths(src_ids, tgt_ids, self.cfg.max_len)
         src_ids, tgt_ids = [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
         loss_sum = nll_sum = tokens = 0.0
@@ -325,7 +419,7 @@ class Validation:
                 loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
                 tokens += real.sum().item()
         search = SearchConfig(beam_size=self.cfg.valid_beam_size)
-        hyps = Translator(model, self.tokenizer, search, self.cfg.dtype).translate(src_text)
+        hyps = Translator(model, tokenizer, search, self.cfg.dtype).translate(src_text)
         bleu = sacrebleu.corpus_bleu(hyps, [tgt_text])
         model.train()
         return {
@@ -349,7 +443,7 @@ def validate_and_save(
     scheduled=False: the validation a run ends with when it stops between validations; it may give OUT a
     better model but does not count for patience, so a run stopped and resumed stops when one run would.
     """
-    metrics = validation(model)
+    metrics = validation(model) if run.main else {}  # other ranks wait for rank 0 at the next update
     examples = metrics.pop("examples", [])
     run.log({"step": state.step, "epoch": state.epoch, "minutes": run.minutes(), **metrics})
     if metrics:
@@ -381,9 +475,7 @@ def save_on_signal(run: Run, model: Transformer, optimizer: torch.optim.Optimize
         run.save_checkpoint(model, optimizer, state)  # (else it was saved a moment ago)
 
 
-def check_positions(
-    model_config: ModelConfig, cfg: TrainConfig, tokenizer: Tokenizer, corpus: Corpus
-) -> None:
+def check_positions(model_config: ModelConfig, cfg: TrainConfig, data: Prepared) -> None:
     """Learned positions stop at max_positions (sinusoids extend, §3.5): refuse before training what would
     fail in the middle of it. Training pairs are filtered by max_len, so max_len must fit; validation
     sentences are translated whole, so each must fit."""
@@ -395,7 +487,7 @@ def check_positions(
             f"max_len={cfg.max_len} is more than max_positions={limit} of the learned positions; "
             f"use --set max_len={limit} (or a larger max_positions)"
         )
-    lengths = [len(ids) for ids in tokenizer.encode_src(corpus.valid_src)]
+    lengths = [len(ids) for ids in data.tokenizer.encode_src(data.valid_src)]
     too_long = [i for i, n in enumerate(lengths) if n > limit]
     if too_long:
         raise ValueError(

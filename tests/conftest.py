@@ -7,6 +7,7 @@ import io
 import torch
 
 from aiayn.cli import main
+from aiayn.prepare import MANIFEST, open_prepared, prepare_corpus
 from aiayn.run import Run
 from aiayn.train import Result, train
 
@@ -48,6 +49,11 @@ def train_argv(prefix, out, *extra) -> list:
 
 
 def run_train(out, model_config, train_config, tokenizer, corpus, mode: str = "new", **kwargs) -> Result:
-    """train() into OUT on the CPU, quietly, opening OUT as `aiayn train` with that mode would."""
+    """train() into OUT on the CPU, quietly, opening OUT as `aiayn train` with that mode would: the
+    corpus is prepared into OUT/data with this tokenizer (or, resuming, OUT/data is used)."""
     run = Run.open(out, mode, progress=False)
-    return train(run, model_config, train_config, tokenizer, corpus, device=torch.device("cpu"), **kwargs)
+    if run.resuming and (run.data_dir / MANIFEST).is_file():
+        data = open_prepared(run.data_dir)
+    else:
+        data = prepare_corpus(run.data_dir, corpus, tokenizer=tokenizer, say=lambda line: None)
+    return train(run, model_config, train_config, data, device=torch.device("cpu"), **kwargs)

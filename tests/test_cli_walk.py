@@ -138,7 +138,7 @@ CASES = {  # name: (command, words the one error line must hold)
     "out a file": (f"{T} --out {{w}}/afile", ["afile: exists and is not a directory"]),
     "out under a file": (f"{T} --out {{w}}/afile/m", ["afile is not a directory"]),
     "out holds a run": (f"{T} --out {{w}}/m", ["already holds a run", "--resume", "--force"]),
-    "resume other settings": (f"{T} --out {{w}}/m --resume --set d_model=32", ["cannot resume", "model.d_model"]),
+    "resume other settings": (f"{T} --out {{w}}/m --resume --valid {{w}}/v --set d_model=32", ["cannot resume", "model.d_model"]),
     "resume a model": (f"{T} --out {{w}}/bad_state/checkpoints/step_00000002 --resume", ["holds a model but no checkpoint"]),
     "resume corrupt state": (f"{T} --out {{w}}/bad_state --resume --valid {{w}}/v --set valid_every=1", ["state.pt: cannot read training state"]),
     # translate

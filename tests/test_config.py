@@ -150,7 +150,7 @@ def test_the_same_values_are_accepted_where_they_make_sense():
         (ModelConfig, "share_embeddings", 1),
         (ModelConfig, "norm", "middle"),
         (TrainConfig, "warmup_steps", 4000.5),
-        (TrainConfig, "dtype", "fp16"),
+        (TrainConfig, "dtype", "fp8"),
         (SearchConfig, "beam_size", "4"),
     ],
 )

@@ -17,7 +17,6 @@ from aiayn.data import (
     collate,
     filter_lengths,
     make_batches,
-    read_corpus,
     read_hf,
     read_lines,
     read_pairs,
@@ -211,59 +210,6 @@ def write_jsonl(path, pairs):
 
 TRAIN_PAIRS = [(f"Haus {i}", f"house {i}") for i in range(6)]
 VALID_PAIRS = [("Baum", "tree"), ("Hund", "dog")]
-
-
-def test_a_local_dataset_gives_each_split_its_own_pairs(tmp_path):
-    # A directory of data files named by split, as Hugging Face lays out local datasets.
-    write_jsonl(tmp_path / "train.jsonl", TRAIN_PAIRS)
-    write_jsonl(tmp_path / "validation.jsonl", VALID_PAIRS)
-    spec = f"hf:{tmp_path}"
-    assert read_pairs(spec, "de", "en") == tuple(map(list, zip(*TRAIN_PAIRS)))
-    assert read_pairs(spec, "de", "en", split="validation") == (["Baum", "Hund"], ["tree", "dog"])
-    # --valid hf:... reads the validation split, and a hf: --train without --valid uses it too.
-    for valid in (spec, None):
-        corpus = read_corpus(spec, "de", "en", valid=valid, say=lambda line: None)
-        assert (corpus.valid_src, corpus.valid_tgt) == (["Baum", "Hund"], ["tree", "dog"])
-        assert corpus.train_src == [d for d, _ in TRAIN_PAIRS]
-
-
-def test_local_data_files_by_split(tmp_path):
-    files = {
-        "train": [str(write_jsonl(tmp_path / "a.jsonl", TRAIN_PAIRS))],
-        "validation": [str(write_jsonl(tmp_path / "b.jsonl", VALID_PAIRS))],
-    }
-    corpus = read_corpus("hf:json", "en", "de", data_files=files, say=lambda line: None)
-    assert corpus.train_tgt == [d for d, _ in TRAIN_PAIRS] and corpus.valid_src == ["tree", "dog"]
-    del files["validation"]
-    said = []
-    corpus = read_corpus("hf:json", "en", "de", data_files=files, say=said.append)
-    assert corpus.valid_src == [] and "no validation split" in said[-1]
-
-
-def test_read_corpus_holds_out_a_fraction_or_reads_valid_data(tmp_path):
-    write(tmp_path / "p.de", "".join(f"Haus {i}\n" for i in range(20)).encode())
-    write(tmp_path / "p.en", "".join(f"house {i}\n" for i in range(20)).encode())
-    write(tmp_path / "v.tsv", b"Baum\ttree\n\t\n")
-    quiet = dict(say=lambda line: None)
-    held = read_corpus(str(tmp_path / "p"), "de", "en", valid_fraction=0.25, seed=3, **quiet)
-    assert len(held.train_src) == 15 and len(held.valid_src) == 5
-    assert sorted(held.train_src + held.valid_src) == sorted(f"Haus {i}" for i in range(20))
-    assert (
-        held.fingerprint()
-        == read_corpus(str(tmp_path / "p"), "de", "en", valid_fraction=0.25, seed=3, **quiet).fingerprint()
-    )
-    said = []
-    both = read_corpus(str(tmp_path / "p"), "de", "en", valid=str(tmp_path / "v.tsv"), say=said.append)
-    assert (both.valid_src, both.valid_tgt) == (["Baum"], ["tree"])  # the empty pair is dropped, and said
-    assert said == [
-        "training pairs: {'kept': 20, 'empty': 0, 'too_long': 0}",
-        "validation pairs: {'kept': 1, 'empty': 1, 'too_long': 0}",
-    ]
-    with pytest.raises(ValueError, match="not both"):
-        read_corpus(str(tmp_path / "p"), "de", "en", valid=str(tmp_path / "v.tsv"), valid_fraction=0.1)
-    # The direction is part of what a resumed run must share.
-    swapped = read_corpus(str(tmp_path / "p"), "en", "de", valid_fraction=0.25, seed=3, **quiet)
-    assert swapped.fingerprint()["train_data"] != held.fingerprint()["train_data"]
 
 
 # Pipes and standard input ------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from aiayn import checkpoint, plots
 from aiayn.config import TrainConfig, preset
 from aiayn.data import Corpus
 from aiayn.model import Transformer
+from aiayn.prepare import prepare_corpus
 from aiayn.run import RUN_FILE, Progress, Run
 from aiayn.synthetic import generate
 from aiayn.tokenizer import Tokenizer
@@ -106,10 +107,10 @@ def test_force_replaces_the_whole_old_run(data, tmp_path):
     [
         (["--set", "d_model=32"], ["model.d_model: 64 in", "32 now"]),
         (["--preset", "small"], ["model.d_ff: 128 in", "1024 now"]),
-        (["--src-lang", "xx", "--tgt-lang", "en"], ['src_lang: "en" in', '"xx" now', "tgt_lang"]),
+        (["--src-lang", "xx", "--tgt-lang", "en"], ["en -> xx then, xx -> en now", "--train:"]),
         (["--vocab-size", 280], ["tokenizer:", "vocab_size 300", "vocab_size 280"]),
         (["--max-tokens", 500], ["train.max_tokens: 400 in", "500 now"]),
-        (["--valid-fraction", 0.1], ["valid_data:", "20 pairs", "30 pairs"]),
+        (["--valid-fraction", 0.1], ["--valid-fraction None then, 0.1 now", "--valid", "then, none now"]),
     ],
 )
 def test_a_resume_with_other_settings_is_refused_naming_each(data, tmp_path, extra, needles):
@@ -184,7 +185,8 @@ def test_pruning_never_removes_the_checkpoint_of_the_model_in_out(tmp_path):
     model = Transformer(preset("tiny", vocab_size=tokenizer.src_vocab_size))
     optimizer = torch.optim.Adam(model.parameters())
     run = Run.open(tmp_path / "run", progress=False)
-    run.begin({}, model, optimizer, tokenizer, TrainConfig(keep_last=2))
+    data = prepare_corpus(run.data_dir, Corpus(SRC, TGT), tokenizer=tokenizer, say=lambda line: None)
+    run.begin({}, model, optimizer, data, TrainConfig(keep_last=2))
     for step in range(1, 6):
         run.save_checkpoint(model, optimizer, Progress(step=step, best_step=2))
     run.close()

@@ -9,7 +9,6 @@ import torch
 from conftest import run_train
 
 from aiayn import checkpoint
-from aiayn import run as run_module
 from aiayn import train as train_module
 from aiayn.config import TrainConfig, preset
 from aiayn.data import Corpus, collate, make_batches
@@ -291,30 +290,35 @@ def test_resume_reaches_the_same_weights_bit_for_bit(data, uninterrupted, tmp_pa
     assert torch.equal(got_state["rng"]["torch"], want_state["rng"]["torch"])
 
 
-def test_resume_test_fails_without_rng_restore(data, uninterrupted, tmp_path, monkeypatch):
-    """The resume test has teeth: with dropout on, skipping the RNG restore gives different weights."""
+def test_resume_needs_no_random_state_because_each_micro_batch_seeds_its_dropout(
+    data, uninterrupted, tmp_path, monkeypatch
+):
+    """The resume test has teeth: with dropout on, a micro-batch that did not seed its own dropout would
+    draw where the RNG happened to stand, and the resumed run would end elsewhere."""
     tokenizer, corpus = data
     model_config = small_model(tokenizer, dropout=0.1)
     out = tmp_path / "run"
+    run_train(out, model_config, TrainConfig(max_updates=8, **RESUME_CONFIG), tokenizer, corpus)
+    torch.manual_seed(12345)  # the random state a new process would start from
+    monkeypatch.setattr(train_module, "dropout_seed", lambda seed, update, micro: None)
+    real_manual_seed = torch.manual_seed
+    monkeypatch.setattr(torch, "manual_seed", lambda s: s is None or real_manual_seed(s))
     run_train(
-        out,
-        model_config,
-        TrainConfig(max_updates=8, **RESUME_CONFIG),
-        tokenizer,
-        corpus,
-    )
-    monkeypatch.setattr(run_module, "set_rng_state", lambda state: None)
-    run_train(
-        out,
-        model_config,
-        TrainConfig(max_updates=12, **RESUME_CONFIG),
-        tokenizer,
-        corpus,
-        mode="resume",
+        out, model_config, TrainConfig(max_updates=12, **RESUME_CONFIG), tokenizer, corpus, mode="resume"
     )
     want = weights(checkpoint.list_checkpoints(uninterrupted[0])[-1])
     got = weights(checkpoint.list_checkpoints(out)[-1])
     assert any(not torch.equal(got[name], want[name]) for name in want)
+
+
+def test_dropout_seeds_differ_by_update_and_micro_batch_and_repeat():
+    seeds = {train_module.dropout_seed(1, u, j) for u in range(1, 50) for j in range(4)}
+    assert len(seeds) == 49 * 4
+    assert (
+        train_module.dropout_seed(1, 7, 2)
+        == train_module.dropout_seed(1, 7, 2)
+        != train_module.dropout_seed(2, 7, 2)
+    )
 
 
 def test_resuming_a_finished_run_takes_no_extra_update(data, uninterrupted, tmp_path):

@@ -1,0 +1,118 @@
+"""The processes of one training run (`torchrun`): which rank this is, and the few collective steps that
+make W ranks train as one process would. PyTorch's process group and DDP do the work.
+
+One process is the case W = 1: every method then returns at once, with no process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0  # the process's index on its machine: its GPU
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 alone writes OUT, logs, validates and prints."""
+        return self.rank == 0
+
+    @classmethod
+    def start(cls, backend: str = "auto", device: str = "auto", timeout_minutes: float = 30.0) -> Ranks:
+        """The process group torchrun described in the environment (RANK, WORLD_SIZE, MASTER_ADDR...), or
+        one process. backend auto: NCCL when the ranks run on CUDA, gloo on the CPU."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if backend == "auto":
+            backend = "nccl" if on_cuda else "gloo"
+        if on_cuda:
+            torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            timeout = datetime.timedelta(minutes=timeout_minutes)
+            dist.init_process_group(backend, timeout=timeout)
+        return cls(rank, world, local_rank)
+
+    def device(self, device: str) -> torch.device:
+        """This rank's device: cuda:LOCAL_RANK on CUDA (one GPU per rank), else as asked."""
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and self.world > 1:
+            return torch.device("cuda", self.local_rank)
+        return torch.device(device)
+
+    # --- Collectives (no-ops for one process) -------------------------------------------------------
+
+    def sum(self, values: list[float], device: torch.device) -> list[float]:
+        """Element-wise sums over the ranks, in float64 (token counts stay exact)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def max(self, values: list[int], device: torch.device) -> list[int]:
+        """Element-wise maxima over the ranks: what one rank flags, all see."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's value on every rank."""
+        if self.world == 1:
+            return value
+        box = [value if self.main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP for W > 1, summing (not averaging) gradients: each rank's loss is already divided by the
+        target tokens of the whole update, so the sum is the gradient one process would compute."""
+        if self.world == 1:
+            return model
+        device_ids = [self.local_rank] if next(model.parameters()).device.type == "cuda" else None
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        ddp.register_comm_hook(None, _sum_hook)
+        return ddp
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+ONE = Ranks()  # one process, no process group
+
+
+def _sum_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce without its division by the world size."""
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return future.then(lambda f: f.value()[0])
+
+
+def env_rank() -> int:
+    """This process's rank as torchrun set it (0 outside torchrun): for naming it in an error."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+__all__ = ["Ranks", "ONE", "env_rank"]

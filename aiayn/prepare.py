@@ -1,0 +1,456 @@
+"""A corpus prepared for training: its token ids in memory-mapped files, read once through the tokenizer
+in chunks, so that a corpus larger than memory trains, and every process of a run shares one copy.
+
+A prepared directory (DATA, or OUT/data when `aiayn train` prepares its own) holds:
+  manifest.json     what it holds and how it was made: counts, the cleaning report, digests, languages
+  tokenizer files   the vocabulary the ids come from (trained on a bounded sample of the training pairs)
+  src.bin tgt.bin   the ids of every kept training pair, one sentence after another, each ending with
+                    EOS: uint16 when the vocabulary allows, else uint32
+  src.len tgt.len   tokens per sentence (uint32), in the same order
+  valid.json        the validation pairs, as text (BLEU is computed on text)
+It is written under a temporary name and renamed whole (`Prepared.commit`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aiayn.data import (
+    Corpus,
+    Errors,
+    TextDigest,
+    clean_pairs,
+    hf_splits,
+    iter_pairs,
+    parse_hf,
+    read_pairs,
+    rereadable,
+    text_digest,
+)
+from aiayn.files import TMP_SUFFIX, fsync_dir, write_text
+from aiayn.tokenizer import Tokenizer
+
+MANIFEST, VALID = "manifest.json", "valid.json"
+FORMAT = 1
+CHUNK = 10_000  # pairs encoded at a time
+SAMPLE = 1_000_000  # training pairs the tokenizer learns from, at most (a uniform sample)
+
+PairSource = Callable[[], Iterator[tuple[str, str]]]  # gives the raw pairs again at every call
+
+
+class Ids(Sequence):
+    """Token ids of many sentences in one flat array (memory-mapped): sentence i is flat[o[i]:o[i+1]]."""
+
+    def __init__(self, flat: np.ndarray, lengths: np.ndarray):
+        self.flat, self.lengths = flat, lengths
+        self.offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.offsets[1:])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: Any) -> np.ndarray:
+        return self.flat[self.offsets[i] : self.offsets[i + 1]]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An opened prepared directory: the tokenizer, the ids (memory-mapped), the validation text."""
+
+    directory: Path
+    manifest: dict[str, Any]
+    tokenizer: Tokenizer
+    src: Ids
+    tgt: Ids
+    valid_src: list[str]
+    valid_tgt: list[str]
+
+    @property
+    def src_lang(self) -> str:
+        return self.manifest["src_lang"]
+
+    @property
+    def tgt_lang(self) -> str:
+        return self.manifest["tgt_lang"]
+
+    def fingerprint(self) -> dict[str, str]:
+        """The direction and the digests of the training and validation text: what a resume must share."""
+        keys = ("src_lang", "tgt_lang", "train_data", "valid_data")
+        return {key: self.manifest[key] for key in keys}
+
+    def commit(self, dest: str | Path, replace: bool = False) -> Prepared:
+        """Rename this (temporary) directory to dest, whole; replace: remove what dest holds first."""
+        dest = Path(dest)
+        if dest.exists():
+            if not replace:
+                raise ValueError(f"{dest} already exists; use --force to replace it")
+            shutil.rmtree(dest)
+        os.replace(self.directory, dest)
+        fsync_dir(dest.parent)
+        return open_prepared(dest)
+
+
+def open_prepared(directory: str | Path) -> Prepared:
+    """Memory-map a prepared directory; a missing or damaged one is a ValueError naming it."""
+    directory = Path(directory)
+    if not (directory / MANIFEST).is_file():
+        raise ValueError(f"{directory}: not a prepared corpus (no {MANIFEST}; make one with `aiayn prepare`)")
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        valid = json.loads((directory / VALID).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{directory}: a damaged prepared corpus ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{directory}: prepared by another version (format {manifest.get('format')})")
+    dtype = np.dtype(manifest["dtype"])
+    sides = []
+    for side in ("src", "tgt"):
+        lengths = _memmap(directory / f"{side}.len", np.uint32)
+        flat = _memmap(directory / f"{side}.bin", dtype)
+        if len(lengths) != manifest["pairs"] or len(flat) != int(lengths.sum(dtype=np.int64)):
+            raise ValueError(f"{directory}: {side}.bin and {side}.len do not fit {MANIFEST} (truncated?)")
+        sides.append(Ids(flat, lengths))
+    tokenizer = Tokenizer.load(directory)
+    return Prepared(directory, manifest, tokenizer, *sides, valid["src"], valid["tgt"])
+
+
+def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    if path.stat().st_size == 0:  # numpy cannot map an empty file
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+# --- Preparing -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizerOptions:
+    """How to learn the vocabulary when none is given."""
+
+    vocab_size: int = 8000
+    kind: str = "bpe"
+    joint: bool = True
+    sample: int = SAMPLE
+
+
+def prepare(
+    dest: str | Path,
+    pairs: PairSource,
+    src_lang: str,
+    tgt_lang: str,
+    *,
+    valid: tuple[list[str], list[str]] | None = None,
+    valid_fraction: float | None = None,
+    seed: int = 1,
+    tokenizer: Tokenizer | None = None,
+    options: TokenizerOptions = TokenizerOptions(),
+    source: dict[str, Any] | None = None,
+    say: Callable[[str], Any] = print,
+) -> Prepared:
+    """Prepare the pairs for training in a temporary directory beside dest; `commit` puts it in place.
+
+    pairs: the raw training pairs, again at every call (cleaned here: pairs with a blank side are
+    dropped and counted). valid: cleaned validation pairs; or valid_fraction of the training pairs is
+    held out at random (seeded), as data.split_valid does. tokenizer: the vocabulary to use; None learns
+    one from a uniform sample of at most options.sample training pairs (all of them when there are
+    fewer, in their order). source: how the user named the data, kept in the manifest.
+    """
+    if valid is not None and valid_fraction is not None:
+        raise ValueError(
+            "give validation data (--valid) or a fraction to hold out (--valid-fraction), not both"
+        )
+    if valid_fraction is not None and not 0.0 < valid_fraction < 1.0:
+        raise ValueError(f"the validation fraction must be in (0, 1), got {valid_fraction}")
+    if tokenizer is None:
+        Tokenizer.check_options(options.vocab_size, options.kind)
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=TMP_SUFFIX))
+    try:
+        tmp.chmod(0o755)
+        held_out: set[int] = set()
+        if valid_fraction is not None:  # which pairs to hold out depends on how many there are
+            n = sum(1 for _ in _cleaned(pairs, None))
+            held_out = _held_out(n, valid_fraction, seed)
+        name = (source or {}).get("train") or "the training data"
+        if tokenizer is None:
+            src_sample, tgt_sample = _sample(_cleaned(pairs, held_out, exclude=True), options.sample, seed)
+            if not src_sample:
+                raise ValueError(f"{name}: no training pairs left after dropping empty lines")
+            say(
+                f"tokenizer: learning {options.kind} vocab_size {options.vocab_size} from {len(src_sample)} pairs"
+            )
+            kind, joint, size = options.kind, options.joint, options.vocab_size
+            tokenizer = Tokenizer.train(src_sample, tgt_sample, vocab_size=size, kind=kind, joint=joint)
+            del src_sample, tgt_sample
+        tokenizer.save(tmp)
+        report, held = _encode(tmp, pairs, held_out, tokenizer)
+        say(f"training pairs: {report}")
+        if report["kept"] - len(held[0]) == 0:
+            raise ValueError(f"{name}: no training pairs left after dropping empty lines")
+        if valid_fraction is not None:
+            valid = held
+        valid_src, valid_tgt = valid if valid is not None else ([], [])
+        write_text(tmp / VALID, json.dumps({"src": valid_src, "tgt": valid_tgt}, ensure_ascii=False))
+        manifest = json.loads((tmp / MANIFEST).read_text())
+        manifest.update(
+            src_lang=src_lang,
+            tgt_lang=tgt_lang,
+            valid_data=text_digest(zip(valid_src, valid_tgt)),
+            held_out=len(held[0]),
+            source=source or {},
+            tokenizer={"vocab_size": tokenizer.src_vocab_size, "joint": tokenizer.joint},
+        )
+        write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        return open_prepared(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _cleaned(
+    pairs: PairSource, held_out: set[int] | None, exclude: bool = False
+) -> Iterator[tuple[int, str, str]]:
+    """(index among kept pairs, src, tgt) of the pairs with no blank side; exclude: skip held_out ones."""
+    k = 0
+    for src, tgt in pairs():
+        if src.strip() and tgt.strip():
+            if not (exclude and k in held_out):
+                yield k, src, tgt
+            k += 1
+
+
+def _held_out(n: int, fraction: float, seed: int) -> set[int]:
+    """The indices data.split_valid would hold out of n pairs."""
+    n_valid = max(1, round(n * fraction))
+    if n_valid >= n:
+        raise ValueError(f"cannot hold out {fraction} of {n} pairs and keep any for training")
+    return set(np.random.default_rng(seed).choice(n, n_valid, replace=False).tolist())
+
+
+def _sample(pairs: Iterator[tuple[int, str, str]], size: int, seed: int) -> tuple[list[str], list[str]]:
+    """A uniform sample of at most `size` pairs (reservoir sampling), in their original order."""
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, str, str]] = []
+    for seen, item in enumerate(pairs):
+        if len(reservoir) < size:
+            reservoir.append(item)
+        elif (j := rng.randrange(seen + 1)) < size:
+            reservoir[j] = item
+    reservoir.sort()
+    return [s for _, s, _ in reservoir], [t for _, _, t in reservoir]
+
+
+def _encode(
+    directory: Path, pairs: PairSource, held_out: set[int], tokenizer: Tokenizer
+) -> tuple[dict[str, int], tuple[list[str], list[str]]]:
+    """Stream the pairs through the tokenizer into DIR/{src,tgt}.{bin,len}; the held-out ones come back
+    as text. Writes a first manifest with the counts and the digest of the training text."""
+    vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
+    files = {name: open(directory / name, "wb") for name in ("src.bin", "tgt.bin", "src.len", "tgt.len")}
+    report = {"kept": 0, "empty": 0, "too_long": 0}
+    held: tuple[list[str], list[str]] = ([], [])
+    digest, every = TextDigest(), TextDigest()  # of the training pairs; of all kept pairs
+    tokens = {"src": 0, "tgt": 0}
+    chunk: tuple[list[str], list[str]] = ([], [])
+
+    def flush() -> None:
+        for side, texts, encode in (
+            ("src", chunk[0], tokenizer.encode_src),
+            ("tgt", chunk[1], tokenizer.encode_tgt),
+        ):
+            ids = encode(texts)
+            lengths = np.fromiter((len(x) for x in ids), dtype=np.uint32, count=len(ids))
+            files[f"{side}.len"].write(lengths.tobytes())
+            files[f"{side}.bin"].write(np.fromiter((t for x in ids for t in x), dtype=dtype).tobytes())
+            tokens[side] += int(lengths.sum(dtype=np.int64))
+        chunk[0].clear(), chunk[1].clear()
+
+    try:
+        for src, tgt in pairs():
+            if not src.strip() or not tgt.strip():
+                report["empty"] += 1
+                continue
+            every.update(src, tgt)
+            if report["kept"] in held_out:
+                held[0].append(src), held[1].append(tgt)
+            else:
+                chunk[0].append(src), chunk[1].append(tgt)
+                digest.update(src, tgt)
+                if len(chunk[0]) == CHUNK:
+                    flush()
+            report["kept"] += 1
+        flush()
+    finally:
+        for f in files.values():
+            f.close()
+    manifest = {
+        "format": FORMAT,
+        "pairs": digest.pairs,
+        "report": report,
+        "dtype": np.dtype(dtype).name,
+        "src_tokens": tokens["src"],
+        "tgt_tokens": tokens["tgt"],
+        "train_data": digest.value(),
+        "input_data": every.value(),  # before any pairs were held out for validation
+    }
+    write_text(directory / MANIFEST, json.dumps(manifest))
+    return report, held
+
+
+# --- From the command line's names of the data -----------------------------------------------------
+
+
+def prepare_files(
+    dest: str | Path,
+    train: str,
+    src_lang: str,
+    tgt_lang: str,
+    *,
+    valid: str | None = None,
+    valid_fraction: float | None = None,
+    seed: int = 1,
+    errors: Errors = "strict",
+    data_files: dict[str, list[str]] | None = None,
+    tokenizer: Tokenizer | None = None,
+    options: TokenizerOptions = TokenizerOptions(),
+    say: Callable[[str], Any] = print,
+) -> Prepared:
+    """prepare() of --train / --valid / --valid-fraction as the command line names them: files, pipes,
+    "-", or hf:NAME[:CONFIG[:SPLIT]] (whose validation split validates when --valid is not given).
+    A pipe or standard input is read once, into a spool file beside dest, since preparing reads twice."""
+    if valid is not None and valid_fraction is not None:
+        raise ValueError(
+            "give validation data (--valid) or a fraction to hold out (--valid-fraction), not both"
+        )
+    spool = None
+    if not rereadable(train, src_lang):
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.spool.", suffix=TMP_SUFFIX)
+        os.close(fd)
+        spool = Path(name)
+        with open(spool, "w", encoding="utf-8") as f:
+            for pair in iter_pairs(train, src_lang, tgt_lang, errors=errors, data_files=data_files):
+                f.write(json.dumps(pair) + "\n")  # exact, tabs and lone surrogates included
+    try:
+        spec = str(spool) if spool else train
+        source = {"train": train, "valid": valid, "valid_fraction": valid_fraction, "seed": seed}
+
+        def pairs() -> Iterator[tuple[str, str]]:
+            if spool:
+                return _spooled(spool)
+            return iter_pairs(spec, src_lang, tgt_lang, errors=errors, data_files=data_files)
+
+        if valid is None and valid_fraction is None and train.startswith("hf:") and not parse_hf(train)[2]:
+            name, config, _ = parse_hf(train)
+            if "validation" in hf_splits(name, config, data_files):
+                valid = train  # its validation split
+            else:
+                say(f"{train} has no validation split: training without validation")
+        valid_pairs = None
+        if valid is not None:
+            raw = read_pairs(
+                valid, src_lang, tgt_lang, errors=errors, split="validation", data_files=data_files
+            )
+            valid_src, valid_tgt, valid_report = clean_pairs(*raw)
+            say(f"validation pairs: {valid_report}")
+            if not valid_src:
+                raise ValueError(
+                    f"{valid}: no validation pairs ({valid_report}); leave out --valid to train without"
+                )
+            valid_pairs = (valid_src, valid_tgt)
+        return prepare(
+            dest,
+            pairs,
+            src_lang,
+            tgt_lang,
+            valid=valid_pairs,
+            valid_fraction=valid_fraction,
+            seed=seed,
+            tokenizer=tokenizer,
+            options=options,
+            source=source,
+            say=say,
+        )
+    finally:
+        if spool:
+            spool.unlink(missing_ok=True)
+
+
+def check_same_input(
+    data: Prepared,
+    train: str,
+    langs: tuple[str, str],
+    *,
+    valid: str | None,
+    valid_fraction: float | None,
+    seed: int,
+    errors: Errors = "strict",
+    data_files: dict[str, list[str]] | None = None,
+) -> None:
+    """Refuse, naming what differs, to resume on a prepared corpus made from other data than --train,
+    --valid and --valid-fraction name now (one pass over the text, no tokenizing)."""
+    source, manifest = data.manifest.get("source", {}), data.manifest
+    differ = []
+    if langs != (data.src_lang, data.tgt_lang):
+        differ.append(f"{data.src_lang} -> {data.tgt_lang} then, {langs[0]} -> {langs[1]} now")
+    if (source.get("valid_fraction"), source.get("seed", seed)) != (valid_fraction, seed) and (
+        source.get("valid_fraction") is not None or valid_fraction is not None
+    ):
+        differ.append(f"--valid-fraction {source.get('valid_fraction')} then, {valid_fraction} now")
+    cleaned = (
+        (s, t)
+        for s, t in iter_pairs(train, *langs, errors=errors, data_files=data_files)
+        if s.strip() and t.strip()
+    )
+    if (now := text_digest(cleaned)) != manifest.get("input_data"):
+        differ.append(f"--train: {manifest.get('input_data')} then, {now} now")
+    if valid is not None:
+        pairs = read_pairs(valid, *langs, errors=errors, split="validation", data_files=data_files)
+        if (now := text_digest(zip(*clean_pairs(*pairs)[:2]))) != manifest["valid_data"]:
+            differ.append(f"--valid: {manifest['valid_data']} then, {now} now")
+    elif source.get("valid") is not None:
+        differ.append(f"--valid {source['valid']} then, none now")
+    if differ:
+        raise ValueError(
+            f"cannot resume on {data.directory}: it was prepared from other data ({'; '.join(differ)}); "
+            "use the same data, or --force to start a new run"
+        )
+
+
+def _spooled(path: Path) -> Iterator[tuple[str, str]]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            src, tgt = json.loads(line)
+            yield src, tgt
+
+
+def prepare_corpus(dest: str | Path, corpus: Corpus, **kwargs: Any) -> Prepared:
+    """prepare() of pairs held in memory."""
+    valid = (corpus.valid_src, corpus.valid_tgt) if corpus.valid_src else None
+    return prepare(dest, corpus.pairs, corpus.src_lang, corpus.tgt_lang, valid=valid, **kwargs)
+
+
+__all__ = [
+    "Prepared",
+    "Ids",
+    "TokenizerOptions",
+    "prepare",
+    "prepare_files",
+    "prepare_corpus",
+    "open_prepared",
+]
