@@ -26,7 +26,6 @@ from aiayn.config import (
     TrainConfig,
     from_dict,
     parse_overrides,
-    preset,
     preset_for_vocabulary,
     split_overrides,
 )
