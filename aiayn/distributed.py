@@ -89,7 +89,7 @@ class Ranks:
         if self.world == 1:
             return model
         device_ids = [self.local_rank] if next(model.parameters()).device.type == "cuda" else None
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
         ddp.register_comm_hook(None, _sum_hook)
         return ddp
 
@@ -101,8 +101,8 @@ class Ranks:
 ONE = Ranks()  # one process, no process group
 
 
-def _sum_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's all-reduce without its division by the world size."""
+def _sum_hook(state, bucket):  # noqa: ANN001 (DDP checks these annotations; as strings they fail)
+    """DDP's all-reduce without its division by the world size: bucket (dist.GradBucket) -> Future."""
     future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
     return future.then(lambda f: f.value()[0])
 

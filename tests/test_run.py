@@ -124,6 +124,16 @@ def test_a_resume_with_other_settings_is_refused_naming_each(data, tmp_path, ext
     assert snapshot(out) == before
 
 
+def test_a_resume_with_other_micro_batches_per_update_is_told_what_to_set(data, tmp_path):
+    out = trained(data, tmp_path / "run", "--set", "accumulate=2")  # 1 process x 2 micro-batches
+    code, _, stderr = run_cli(
+        tiny(data, out, "--valid", f"{data.parent}/valid", "--resume", "--max-updates", 3)
+    )
+    assert_one_line_error(
+        code, stderr, "train.micro_batches_per_update: 2 in", "1 now", "--set accumulate=2 resumes it"
+    )
+
+
 def test_a_resume_may_change_limits(data, tmp_path):
     out = trained(data, tmp_path / "run")
     code, _, stderr = run_cli(

@@ -1,0 +1,241 @@
+"""Several processes train as one (torchrun, DDP, gloo on this CPU): the gradient of W ranks is the
+gradient of one process accumulating W micro-batches, the command line gives the same weights, an
+epoch's odd tail or a one-batch corpus does not hang, a signal stops every rank at one update and the
+run resumes bit for bit, and only rank 0 writes or speaks.
+
+Every subprocess has a timeout and the process group a short one, so a hang fails instead of stalling.
+"""
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from aiayn import checkpoint
+from aiayn.config import TrainConfig, preset
+from aiayn.data import collate
+from aiayn.distributed import Ranks
+from aiayn.model import Transformer
+from aiayn.synthetic import generate
+from aiayn.train import Step, dropout_seed, train_step
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TIMEOUT = 180  # seconds for one torchrun; the process group gives up after dist_timeout_minutes
+
+
+# --- The gradient of W ranks ---------------------------------------------------------------------------
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD (the update is proportional to the gradient, so a scale error shows) recording each gradient."""
+
+    def __init__(self, model):
+        super().__init__(model.parameters(), lr=0.1)
+        self.model, self.grads = model, []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for p in self.model.parameters()])
+        return super().step(closure)
+
+
+def setup():
+    """A tiny model with dropout and three updates of two micro-batches with unequal token counts."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", vocab_size=40, dropout=0.1))
+    g = torch.Generator().manual_seed(1)
+    updates = []
+    for _ in range(3):
+        group = []
+        for rows, length in ((3, 9), (5, 4)):  # 27 and 20 target tokens
+            ids = [(torch.randint(4, 40, (length,), generator=g).tolist() + [2]) for _ in range(rows)]
+            group.append(list(collate(ids, ids, list(range(rows)))))
+        updates.append(group)
+    return model, updates
+
+
+class PerRankNormalised(Ranks):
+    """The bug the test must catch: each rank divides by its own tokens (no all-reduce of the count)."""
+
+    def sum(self, values, device):
+        return values if all(float(v).is_integer() for v in values) else super().sum(values, device)
+
+
+def rank_gradients(rank: int, store: str, per_rank: bool) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    torch.set_num_threads(1)
+    ranks = (PerRankNormalised if per_rank else Ranks)(rank, 2, 0)
+    model, updates = setup()
+    optimizer = RecordingSGD(model)
+    ddp = ranks.wrap(model.train())
+    for u, group in enumerate(updates):
+        step = Step(0.1, seeds=[dropout_seed(1, u + 1, rank)], ranks=ranks)
+        train_step(ddp, optimizer, [group[rank]], 0.1, TrainConfig(dtype="fp32"), step=step)
+    if rank == 0:
+        torch.save(optimizer.grads, f"{store}.grads")
+    dist.destroy_process_group()
+
+
+def two_rank_gradients(tmp_path: Path, per_rank: bool) -> list[list[torch.Tensor]]:
+    store = str(tmp_path / f"store-{per_rank}")
+    mp.spawn(rank_gradients, args=(store, per_rank), nprocs=2, join=True)
+    return torch.load(f"{store}.grads")
+
+
+def test_two_ranks_give_the_gradient_of_one_process_accumulating_two(tmp_path):
+    model, updates = setup()
+    optimizer = RecordingSGD(model)
+    model.train()
+    for u, group in enumerate(updates):
+        step = Step(0.1, seeds=[dropout_seed(1, u + 1, j) for j in range(2)])
+        train_step(model, optimizer, group, 0.1, TrainConfig(dtype="fp32"), step=step)
+    want = optimizer.grads
+    got = two_rank_gradients(tmp_path, per_rank=False)
+    for update, (a, b) in enumerate(zip(got, want)):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"update {update}")  # bit for bit
+    # The check has teeth: normalising by each rank's own tokens gives other gradients.
+    wrong = two_rank_gradients(tmp_path, per_rank=True)
+    assert any(not torch.allclose(p, q, rtol=1e-3) for p, q in zip(wrong[0], want[0]))
+
+
+# --- The command line under torchrun -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ddp")
+    src, tgt = generate(300, seed=2)
+    for lang, lines in (("en", src), ("xx", tgt)):
+        (root / f"c.{lang}").write_text("".join(line + "\n" for line in lines))
+        (root / f"v.{lang}").write_text("".join(line + "\n" for line in lines[:6]))
+        (root / f"one.{lang}").write_text("".join(line + "\n" for line in lines[:5]))  # one batch
+    return root
+
+
+def flags(corpus: Path, *extra) -> list[str]:
+    return [
+        "--train", corpus / "c", "--valid", corpus / "v", "--src-lang", "en", "--tgt-lang", "xx",
+        "--preset", "tiny", "--vocab-size", 300, "--max-tokens", 300, "--quiet",
+        "--set", "valid_every=3", "--set", "dropout=0.1", "--set", "dtype=fp32", "--set", "dist_timeout_minutes=0.5",
+        *extra,
+    ]  # fmt: skip
+
+
+def aiayn(*argv, **kwargs) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "aiayn", *map(str, argv)]
+    return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=TIMEOUT, **kwargs)
+
+
+def torchrun(logs: Path, *argv) -> list:
+    """torchrun of `aiayn ARGV` on 2 ranks, each rank's output in a file of its own under logs."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--log-dir", str(logs), "--redirects", "3", "-m", "aiayn", *map(str, argv),
+    ]  # fmt: skip
+
+
+def rank_output(logs: Path, rank: int) -> str:
+    return "".join(p.read_text() for p in sorted(logs.glob(f"*/attempt_0/{rank}/std*.log")))
+
+
+def weights(out: Path, step: int) -> bytes:
+    return (checkpoint.checkpoint_path(out, step) / checkpoint.WEIGHTS).read_bytes()
+
+
+def odd_epoch(out: Path) -> int:
+    """Batches in the first epoch of the run in OUT (its prepared data, its max_tokens)."""
+    from aiayn.data import batch_plan
+    from aiayn.prepare import open_prepared
+
+    data, cfg = open_prepared(out / "data"), json.loads((out / "train.json").read_text())
+    return len(batch_plan(data.src.lengths, data.tgt.lengths, cfg["max_tokens"], seed=cfg["seed"], epoch=0))
+
+
+def test_torchrun_with_two_ranks_gives_the_weights_of_one_process_accumulating_two(corpus, tmp_path):
+    """Through an epoch of 19 batches: its last update has one, so rank 1 runs a zero-weight batch."""
+    args = flags(corpus, "--max-updates", 12, "--max-tokens", 500)
+    one = aiayn("train", *args, "--out", tmp_path / "one", "--set", "accumulate=2")
+    assert one.returncode == 0, one.stderr
+    assert odd_epoch(tmp_path / "one") == 19  # an odd tail at update 10
+    logs = tmp_path / "logs"
+    ddp = subprocess.run(
+        torchrun(logs, "train", *args, "--out", tmp_path / "ddp"),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert ddp.returncode == 0, ddp.stderr
+    for step in (3, 6, 9, 12):
+        assert weights(tmp_path / "ddp", step) == weights(tmp_path / "one", step)
+    assert rank_output(logs, 1) == ""  # rank 1 writes nothing, prints nothing
+    assert json.loads(rank_output(logs, 0).splitlines()[-1]) == json.loads(one.stdout)
+    assert not [p for p in (tmp_path / "ddp").rglob("*") if p.name.endswith(".tmp")]
+    records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("event") for r in records].count("data") == 1  # one writer
+    assert {r["epoch"] for r in records if "valid_bleu" in r} == {0, 1}
+
+
+def test_a_corpus_of_one_batch_runs_as_one_process(corpus, tmp_path):
+    """Every update has one micro-batch for two ranks: rank 1 always runs a zero-weight one; no hang."""
+    args = flags(corpus, "--train", corpus / "one", "--max-updates", 3)
+    one = aiayn("train", *args, "--out", tmp_path / "one", "--set", "accumulate=2")
+    assert one.returncode == 0, one.stderr
+    assert odd_epoch(tmp_path / "one") == 1
+    ddp = subprocess.run(
+        torchrun(tmp_path / "logs", "train", *args, "--out", tmp_path / "ddp"),
+        env=ENV, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert ddp.returncode == 0, ddp.stderr
+    assert weights(tmp_path / "ddp", 3) == weights(tmp_path / "one", 3)
+
+
+def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_bit_for_bit(corpus, tmp_path):
+    # The uninterrupted run, through `aiayn train --nproc 2` (which runs torchrun itself).
+    reference = aiayn("train", *flags(corpus, "--out", tmp_path / "ref", "--max-updates", 12, "--nproc", 2))
+    assert reference.returncode == 0, reference.stderr
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    proc = subprocess.Popen(
+        torchrun(logs, "train", *flags(corpus, "--out", out, "--max-updates", 100_000)),
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not checkpoint.list_checkpoints(out):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stop = json.loads(rank_output(logs, 0).splitlines()[-1])
+    assert stop["reason"] == "signal SIGTERM" and rank_output(logs, 1) == ""
+    last = checkpoint.list_checkpoints(out)[-1]
+    assert last.name == f"step_{stop['step']:08d}" and stop["step"] < 12
+    assert checkpoint.load_state(last)["progress"]["step"] == stop["step"]  # resumable, complete
+    shutil.copytree(out, tmp_path / "copy")
+    resumed = subprocess.run(
+        torchrun(tmp_path / "logs2", "train", *flags(corpus, "--out", out, "--max-updates", 12, "--resume")),
+        env=ENV, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert weights(out, 12) == weights(tmp_path / "ref", 12)
+    # One process may take the run on with the same micro-batches per update (2 ranks x 1 = 1 x 2).
+    args = flags(corpus, "--out", tmp_path / "copy", "--max-updates", 12, "--resume", "--set", "accumulate=2")
+    one = aiayn("train", *args)
+    assert one.returncode == 0, one.stderr
+    assert weights(tmp_path / "copy", 12) == weights(tmp_path / "ref", 12)
