@@ -218,14 +218,15 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=TIMEOUT)
+        proc.stderr = proc.communicate(timeout=TIMEOUT)[1]
     finally:
         if proc.poll() is None:
             proc.kill()
+    said = f"rank 0: {rank_output(logs, 0)!r}; rank 1: {rank_output(logs, 1)!r}; torchrun: {proc.stderr}"
     stop = json.loads(rank_output(logs, 0).splitlines()[-1])
-    assert stop["reason"] == "signal SIGTERM" and rank_output(logs, 1) == ""
+    assert stop["reason"] == "signal SIGTERM" and rank_output(logs, 1) == "", said
     last = checkpoint.list_checkpoints(out)[-1]
-    assert last.name == f"step_{stop['step']:08d}" and stop["step"] < 12
+    assert last.name == f"step_{stop['step']:08d}" and stop["step"] < 12, said
     assert checkpoint.load_state(last)["progress"]["step"] == stop["step"]  # resumable, complete
     shutil.copytree(out, tmp_path / "copy")
     resumed = subprocess.run(
