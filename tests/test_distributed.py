@@ -212,17 +212,18 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_
         torchrun(logs, "train", *flags(corpus, "--out", out, "--max-updates", 100_000)),
         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    errors = ""
     try:
         deadline = time.monotonic() + TIMEOUT
         while not checkpoint.list_checkpoints(out):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        proc.stderr = proc.communicate(timeout=TIMEOUT)[1]
+        _, errors = proc.communicate(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
             proc.kill()
-    said = f"rank 0: {rank_output(logs, 0)!r}; rank 1: {rank_output(logs, 1)!r}; torchrun: {proc.stderr}"
+    said = f"rank 0: {rank_output(logs, 0)!r}; rank 1: {rank_output(logs, 1)!r}; torchrun: {errors}"
     stop = json.loads(rank_output(logs, 0).splitlines()[-1])
     assert stop["reason"] == "signal SIGTERM" and rank_output(logs, 1) == "", said
     last = checkpoint.list_checkpoints(out)[-1]
