@@ -470,8 +470,8 @@ def batch_plan(
         raise ValueError(f"make_batches: {len(src_lens)} source lengths but {len(tgt_lens)} target lengths")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    src = np.asarray(src_lens, dtype=np.int64).reshape(-1)
-    tgt = np.asarray(tgt_lens, dtype=np.int64).reshape(-1)
+    src = np.asarray(src_lens, dtype=np.int32).reshape(-1)  # 4 bytes a pair: plans of millions stay small
+    tgt = np.asarray(tgt_lens, dtype=np.int32).reshape(-1)
     # A length-0 pair still takes a row of the batch, so it counts as 1.
     longest = np.maximum(np.maximum(src, tgt), 1)
     too_long = np.flatnonzero(longest > max_tokens)
@@ -489,6 +489,7 @@ def batch_plan(
         order = np.lexsort((rng.random(len(src)), src, longest))
     else:
         order = rng.permutation(len(src))
+    order = order.astype(np.int32) if len(order) < np.iinfo(np.int32).max else order
     widths = longest[order]
     del longest, src, tgt
 

@@ -212,7 +212,9 @@ class Pairs:
     @classmethod
     def of(cls, data: Prepared, max_len: int) -> Pairs:
         src, tgt = data.src.lengths, data.tgt.lengths
-        keep = np.flatnonzero((src <= max_len) & (tgt <= max_len))
+        keep = np.flatnonzero((src <= max_len) & (tgt <= max_len)).astype(
+            np.int32 if len(src) < 2**31 else np.int64
+        )
         if not len(keep):
             raise ValueError(f"no training pair has at most max_len={max_len} tokens on both sides")
         return cls(data, keep, len(src) - len(keep))
