@@ -241,3 +241,49 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_
     one = aiayn("train", *args)
     assert one.returncode == 0, one.stderr
     assert weights(tmp_path / "copy", 12) == weights(tmp_path / "ref", 12)
+
+
+def test_a_rank_that_dies_ends_the_run_instead_of_hanging(corpus, tmp_path):
+    """SIGKILL to rank 1 mid-run: torchrun ends rank 0 too, well within the process-group timeout, and
+    OUT keeps its last complete checkpoint."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        torchrun(tmp_path / "logs", "train", *flags(corpus, "--out", out, "--max-updates", 100_000)),
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not checkpoint.list_checkpoints(out):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        workers = worker_pids(proc.pid)
+        (rank1,) = [pid for pid in workers if environ(pid).get("RANK") == "1"]
+        os.kill(rank1, signal.SIGKILL)
+        started = time.monotonic()
+        proc.communicate(timeout=60)
+        assert proc.returncode != 0 and time.monotonic() - started < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]  # no rank left behind
+    checkpoint.load_state(checkpoint.list_checkpoints(out)[-1])  # complete and readable
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The processes torchrun started (its children)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children")
+    return [int(p) for p in children.read_text().split()] if children.exists() else []
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def test_an_error_on_another_rank_names_it(corpus, tmp_path, monkeypatch):
+    from conftest import assert_one_line_error, run_cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    code, _, stderr = run_cli(["train", *flags(corpus, "--out", tmp_path / "o", "--set", "dropout=2")])
+    assert_one_line_error(code, stderr, "rank 1: ", "dropout must be in [0, 1)")
