@@ -32,7 +32,7 @@ from aiayn.config import (
 from aiayn.data import STDIN, input_path, read_lines
 from aiayn.distributed import env_rank
 from aiayn.files import check_writable_dir, check_writable_file, write_output
-from aiayn.precision import DEFAULT_DTYPE, resolve_device
+from aiayn.precision import DEFAULT_DTYPE, resolve_device, resolve_dtype
 
 
 def say(text: str) -> None:
@@ -68,6 +68,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from aiayn.run import Run
     from aiayn.train import train
 
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return relaunch_under_torchrun(args)
     values = config_file(args.config) | parse_overrides((ModelConfig, TrainConfig), args.set)
@@ -79,7 +81,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # (the vocabulary is at most --vocab-size).
     preset_for_vocabulary(args.preset, args.vocab_size, args.vocab_size, True, **model_overrides)
     tokenizer_options(args)
-    resolve_device(args.device)  # an unknown device, or CUDA where there is none, fails now
+    resolve_dtype(cfg.dtype, resolve_device(args.device))  # an unknown device, CUDA where there is none,
+    # or fp16 on the CPU fails now
     ranks = Ranks.start(cfg.dist_backend, args.device, cfg.dist_timeout_minutes)
     try:
         device = ranks.device(args.device)

@@ -104,11 +104,11 @@ def train(
     device = device or default_device()
     configure(device)
     with run.checking():  # before anything is written
-        pairs = Pairs.of(data, cfg.max_len)
+        pairs, scaler = Pairs.of(data, cfg.max_len), grad_scaler(cfg, device)
         check_positions(model_config, cfg, data)
     torch.manual_seed(cfg.seed)
     model = Transformer(model_config).to(device)
-    optimizer, scaler = make_optimizer(model, cfg), grad_scaler(cfg, device)
+    optimizer = make_optimizer(model, cfg)
     state = run.begin(run_settings(model_config, cfg, data, settings, ranks), model, optimizer, data, cfg)
     sizes = {"pairs": len(pairs.keep), "too_long": pairs.too_long, "params": model.num_parameters()}
     run.log({"event": "data", **sizes}, echo=True)

@@ -141,7 +141,21 @@ CASES = {  # name: (command, words the one error line must hold)
     "resume other settings": (f"{T} --out {{w}}/m --resume --valid {{w}}/v --set d_model=32", ["cannot resume", "model.d_model"]),
     "resume a model": (f"{T} --out {{w}}/bad_state/checkpoints/step_00000002 --resume", ["holds a model but no checkpoint"]),
     "resume corrupt state": (f"{T} --out {{w}}/bad_state --resume --valid {{w}}/v --set valid_every=1", ["state.pt: cannot read training state"]),
+    "device unknown": (f"{T} --out {{w}}/o --device tpu", ["unknown device 'tpu'"]),
+    "device cuda without a gpu": (f"{T} --out {{w}}/o --device cuda", ["CUDA is not available"]),
+    "dtype fp16 on the cpu": (f"{T} --out {{w}}/o --device cpu --set dtype=fp16 --max-updates 1", ["fp16 is for CUDA"]),
+    "nproc 0": (f"{T} --out {{w}}/o --nproc 0", ["--nproc must be at least 1"]),
+    "data missing": ("train --data {w}/nope --out {w}/o", ["not a prepared corpus"]),
+    "data and train": (f"{T} --out {{w}}/o --data {{w}}/m/data", ["--train", "--data", "not both"]),
+    "neither data nor train": ("train --out {w}/o --src-lang en --tgt-lang xx", ["--train", "--data", "is needed"]),
+    # prepare
+    "prepare out exists": ("prepare --train {w}/c --src-lang en --tgt-lang xx --out {w}/m", ["already exists; use --force"]),
+    "prepare sample 0": ("prepare --train {w}/c --src-lang en --tgt-lang xx --out {w}/o --tokenizer-sample 0", ["--tokenizer-sample must be at least 1"]),
+    "prepare train missing": ("prepare --train {w}/nope --src-lang en --tgt-lang xx --out {w}/o", ["no 'en' file"]),
+    "prepare vocab size 5": ("prepare --train {w}/c --src-lang en --tgt-lang xx --out {w}/o --vocab-size 5", ["vocab_size=5 is too small"]),
     # translate
+    "translate device unknown": ("translate {w}/m --input {w}/one.en --device tpu", ["unknown device 'tpu'"]),
+    "translate fp16 on the cpu": ("translate {w}/m --input {w}/one.en --device cpu --dtype fp16", ["fp16 is for CUDA"]),
     "model missing": ("translate {w}/nope --input {w}/one.en", ["nope: not a directory"]),
     "model a file": ("translate {w}/afile --input {w}/one.en", ["afile: not a directory"]),
     "model no config": ("translate {w}/adir --input {w}/one.en", ["not a model directory (no config.json)"]),
@@ -214,7 +228,15 @@ def test_every_bad_input_is_one_line(w, name):
 
 def test_the_cases_cover_every_command():
     commands = {template.split()[0] for template, _ in CASES.values()}
-    assert commands == {"train", "translate", "evaluate", "average", "plot", "demo"}  # export: below
+    assert commands == {
+        "prepare",
+        "train",
+        "translate",
+        "evaluate",
+        "average",
+        "plot",
+        "demo",
+    }  # export: below
 
 
 def test_export_is_walked_too(w, tmp_path):
