@@ -11,8 +11,8 @@ from aiayn.config import TrainConfig, preset
 from aiayn.data import Corpus, read_parallel
 from aiayn.evaluate import evaluate
 from aiayn.plots import plot_attention, plot_curves
+from aiayn.prepare import MANIFEST, TokenizerOptions, open_prepared, prepare_corpus
 from aiayn.run import Run
-from aiayn.tokenizer import Tokenizer
 from aiayn.train import train
 from aiayn.translate import Translator
 
@@ -33,10 +33,16 @@ def run_demo(out: Path, minutes: float = 2.5) -> dict[str, Any]:
     train_prefix, valid_prefix = synthetic.write_task(data)
     src, tgt = read_parallel(train_prefix, synthetic.SRC_LANG, synthetic.TGT_LANG)
     valid_src, valid_tgt = read_parallel(valid_prefix, synthetic.SRC_LANG, synthetic.TGT_LANG)
-    if run.resuming:
-        tokenizer = run.saved_tokenizer()
-    else:  # large enough for every word to be one token
-        tokenizer = Tokenizer.train(src, tgt, vocab_size=2000)
+    corpus = Corpus(src, tgt, valid_src, valid_tgt, synthetic.SRC_LANG, synthetic.TGT_LANG)
+    if run.resuming and (run.data_dir / MANIFEST).is_file():
+        prepared = open_prepared(run.data_dir)
+    else:  # a vocabulary large enough for every word to be one token
+        tokenizer = run.saved_tokenizer() if run.resuming else None
+        options = TokenizerOptions(vocab_size=2000)
+        prepared = prepare_corpus(
+            run.data_dir, corpus, tokenizer=tokenizer, options=options, say=lambda line: None
+        )
+    tokenizer = prepared.tokenizer
     # A smaller model than the `small` preset: it has to learn the task in a few CPU minutes.
     model_config = preset(
         "small",
@@ -50,8 +56,7 @@ def run_demo(out: Path, minutes: float = 2.5) -> dict[str, Any]:
     train_config = TrainConfig(
         max_minutes=minutes, max_tokens=1500, warmup_steps=200, lr_scale=0.5, valid_every=200
     )
-    corpus = Corpus(src, tgt, valid_src, valid_tgt, synthetic.SRC_LANG, synthetic.TGT_LANG)
-    stop = train(run, model_config, train_config, tokenizer, corpus).stop
+    stop = train(run, model_config, train_config, prepared).stop
     if stop.signal is not None:  # Ctrl-C: the run is saved and resumable; no scoring and plots now
         return {"stopped": stop.signal, "resume": "run the same command again"}
     model_dir = run.out

@@ -1,0 +1,25 @@
+"""The built-in job end to end (`aiayn demo`, what `make demo` runs), shrunk to seconds: it trains,
+scores with sacreBLEU, draws its plots, and given more minutes it continues the same run."""
+
+import json
+
+from conftest import run_cli
+
+
+def test_the_demo_trains_scores_draws_and_continues(tmp_path):
+    code, stdout, stderr = run_cli(["demo", "--out", tmp_path, "--minutes", 0.1])
+    assert code == 0, stderr
+    result = json.loads(stdout.splitlines()[-1])
+    assert 0 <= result["valid_bleu"] <= 100 and "tok:13a" in result["signature"]
+    assert [p.rsplit("/", 1)[-1] for p in result["plots"]] == [
+        "curves.png", "attention_encoder.png", "attention_decoder.png", "attention_cross.png"
+    ]  # fmt: skip
+    assert all((tmp_path / p.rsplit("/", 1)[-1]).stat().st_size > 1000 for p in result["plots"])
+    records = [json.loads(line) for line in (tmp_path / "model" / "metrics.jsonl").read_text().splitlines()]
+    first_stop = [r for r in records if r.get("event") == "stop"][-1]["step"]
+    assert first_stop > 0 and [r for r in records if "valid_bleu" in r][-1]["step"] == first_stop
+    code, stdout, stderr = run_cli(["demo", "--out", tmp_path, "--minutes", 0.2])  # more time: it goes on
+    assert code == 0, stderr
+    records = [json.loads(line) for line in (tmp_path / "model" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records if r.get("event") in ("resume",)] == ["resume"]
+    assert [r for r in records if r.get("event") == "stop"][-1]["step"] > first_stop
