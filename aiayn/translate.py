@@ -12,7 +12,7 @@ from tqdm import tqdm
 from aiayn.checkpoint import load_model
 from aiayn.config import SearchConfig
 from aiayn.model import Transformer
-from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, default_device, for_inference
+from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, default_device, for_inference
 from aiayn.search import Hypothesis, max_lengths, search
 from aiayn.tokenizer import PAD_ID, Tokenizer
 
@@ -56,7 +56,9 @@ class Translator:
         device: str | torch.device | None = None,
     ) -> Translator:
         """A model directory, in the layout and number format that translate fastest (for_inference)."""
-        model = load_model(directory, device or default_device())
+        device = torch.device(device) if device is not None else default_device()
+        configure(device)
+        model = load_model(directory, device)
         return cls(for_inference(model, dtype), Tokenizer.load(directory), search_config, dtype)
 
     @property
