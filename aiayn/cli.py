@@ -124,14 +124,23 @@ def cmd_train(args: argparse.Namespace) -> int:
 def training_data(args: argparse.Namespace, run, cfg: TrainConfig):
     """The prepared corpus to train on: --data as it is; else --train prepared into OUT/data (staged,
     moved into place when the run begins) or, on a resume, OUT/data once it is shown to be that data."""
-    from aiayn.prepare import check_same_input, open_prepared, prepare_files
+    from aiayn.prepare import check_same_input, open_prepared
 
     if args.data is not None:
         if args.train is not None:
             raise ValueError("give --train (files to prepare) or --data (a prepared corpus), not both")
-        return open_prepared(args.data)
+        data = open_prepared(args.data)
+        for flag, asked, held in (
+            ("--src-lang", args.src_lang, data.src_lang),
+            ("--tgt-lang", args.tgt_lang, data.tgt_lang),
+        ):
+            if asked is not None and asked != held:
+                raise ValueError(f"{flag} {asked}, but {args.data} was prepared for {held}")
+        return data
     if args.train is None:
         raise ValueError("--train (files to prepare) or --data (a prepared corpus) is needed")
+    if not args.src_lang or not args.tgt_lang:
+        raise ValueError("--train needs --src-lang and --tgt-lang")
     where = dict(errors=args.encoding_errors, data_files=data_files(args.data_files))
     if run.resuming and (run.data_dir / "manifest.json").is_file():
         data = open_prepared(run.data_dir)
@@ -145,18 +154,27 @@ def training_data(args: argparse.Namespace, run, cfg: TrainConfig):
             **where,
         )
         return data
+    # A resume of a run from before OUT/data existed prepares with the run's own vocabulary.
+    return prepare_from(args, run.data_dir, cfg.seed, run.saved_tokenizer() if run.resuming else None)
+
+
+def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None):
+    """prepare_files of what --train, --valid, --valid-fraction and the tokenizer flags name."""
+    from aiayn.prepare import prepare_files
+
     return prepare_files(
-        run.data_dir,
+        dest,
         args.train,
         args.src_lang,
         args.tgt_lang,
         valid=args.valid,
         valid_fraction=args.valid_fraction,
-        seed=cfg.seed,
-        tokenizer=run.saved_tokenizer() if run.resuming else None,  # a run from before OUT/data existed
+        seed=seed,
+        errors=args.encoding_errors,
+        data_files=data_files(args.data_files),
+        tokenizer=tokenizer,
         options=tokenizer_options(args),
         say=say,
-        **where,
     )
 
 
@@ -207,24 +225,10 @@ def torch_cuda_available() -> bool:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from aiayn.prepare import prepare_files
-
     out = check_writable_dir(args.out, "prepared corpus directory")
     if out.exists() and not args.force:
         raise ValueError(f"{out} already exists; use --force to replace it")
-    data = prepare_files(
-        out,
-        args.train,
-        args.src_lang,
-        args.tgt_lang,
-        valid=args.valid,
-        valid_fraction=args.valid_fraction,
-        seed=args.seed,
-        errors=args.encoding_errors,
-        data_files=data_files(args.data_files),
-        options=tokenizer_options(args),
-        say=say,
-    )
+    data = prepare_from(args, out, args.seed)
     data = data.commit(out, replace=args.force)
     manifest = data.manifest
     print(

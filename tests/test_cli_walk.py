@@ -148,6 +148,8 @@ CASES = {  # name: (command, words the one error line must hold)
     "data missing": ("train --data {w}/nope --out {w}/o", ["not a prepared corpus"]),
     "data and train": (f"{T} --out {{w}}/o --data {{w}}/m/data", ["--train", "--data", "not both"]),
     "neither data nor train": ("train --out {w}/o --src-lang en --tgt-lang xx", ["--train", "--data", "is needed"]),
+    "train without languages": ("train --train {w}/c --out {w}/o", ["--train needs --src-lang and --tgt-lang"]),
+    "data of other languages": ("train --data {w}/m/data --src-lang de --out {w}/o", ["--src-lang de, but", "prepared for en"]),
     # prepare
     "prepare out exists": ("prepare --train {w}/c --src-lang en --tgt-lang xx --out {w}/m", ["already exists; use --force"]),
     "prepare sample 0": ("prepare --train {w}/c --src-lang en --tgt-lang xx --out {w}/o --tokenizer-sample 0", ["--tokenizer-sample must be at least 1"]),
