@@ -10,7 +10,7 @@ one way (tests/test_layers.py holds the code to this table):
     prepare translate                a corpus as memory-mapped ids; text in, text out
     run                              a training run's directory
     train evaluate export plots      the training loop; sacreBLEU; CTranslate2; pictures
-    demo                             the built-in job
+    demo server                      the built-in job; the HTTP API and page
     cli                              the command line
     __main__                         python -m aiayn (what torchrun runs)
 """

@@ -364,6 +364,31 @@ def cmd_plot(args: argparse.Namespace) -> None:
     print(json.dumps({"plots": [str(p) for p in paths]}))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from aiayn.checkpoint import load_model_config
+    from aiayn.config import ServeConfig
+    from aiayn.server import serve
+
+    load_model_config(args.model)  # a model directory, or a clear error before any work
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    limits = {name: getattr(args, name) for name in SERVE_LIMITS if getattr(args, name) is not None}
+    config = from_dict(ServeConfig, limits, where="serve options")
+    resolve_dtype(args.dtype, resolve_device(args.device))
+    serve(
+        args.model, config, host=args.host, port=args.port, device=args.device, dtype=args.dtype, threads=args.threads,
+        engine=args.engine, api_key=args.api_key, cors_origins=tuple(args.cors_origin),
+    )  # fmt: skip
+
+
+SERVE_LIMITS = (
+    "beam_size", "max_body_bytes", "max_texts", "max_chars", "max_tokens", "max_beam", "max_queue", "timeout_s",
+    "batch_tokens", "batch_sentences", "batch_wait_ms", "max_batch_requests",
+)  # fmt: skip
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from aiayn.demo import run_demo
 
@@ -521,6 +546,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sentence", help="source sentence whose attention to draw")
     p.add_argument("--out", help="directory for the PNG files (default: the model directory)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("serve", help="a REST API and a page around a model (FastAPI, uvicorn)")
+    p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    device_flag(p)
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16", "int8"], default=DEFAULT_DTYPE)
+    p.add_argument("--threads", type=int, help="PyTorch (or CTranslate2) threads of the model worker")
+    p.add_argument(
+        "--engine",
+        choices=["torch", "ctranslate2"],
+        default="torch",
+        help="who translates: aiayn's search, or the model exported to CTranslate2 (attention: torch)",
+    )
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on the API")
+    p.add_argument(
+        "--cors-origin", action="append", default=[], help="allow this origin (CORS); none by default"
+    )
+    for name, kind, what in (
+        ("beam_size", int, "default beam size (§6.1: 4)"), ("max_body_bytes", int, "request body limit"),
+        ("max_texts", int, "texts per request"), ("max_chars", int, "characters per text"),
+        ("max_tokens", int, "source tokens per line"), ("max_beam", int, "largest beam and n-best a request may ask"),
+        ("max_queue", int, "lines waiting; past it: 503 with Retry-After"), ("timeout_s", float, "request timeout"),
+        ("batch_tokens", int, "source tokens x beam per batch"), ("batch_sentences", int, "lines per batch"),
+        ("batch_wait_ms", float, "wait for more lines when the queue is short"),
+        ("max_batch_requests", int, "requests sharing a batch (1: no batching; default: any)"),
+    ):  # fmt: skip
+        p.add_argument("--" + name.replace("_", "-"), type=kind, help=what)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="train and show a model on the built-in synthetic task")
     p.add_argument("--out", default="runs/demo")

@@ -168,6 +168,40 @@ class SearchConfig:
             )
 
 
+@dataclass(frozen=True)
+class ServeConfig:
+    """The server's limits and batching (`aiayn serve`); every limit is also a flag."""
+
+    beam_size: int = 4  # the default search of a request that names none
+    max_body_bytes: int = 1 << 20  # request body
+    max_texts: int = 64  # texts in one request
+    max_chars: int = 5000  # characters in one text
+    max_tokens: int = 256  # source tokens in one line of a text
+    max_beam: int = 8  # beam size and n-best a request may ask for
+    max_queue: int = 1024  # lines waiting to be translated; past it: 503 with Retry-After
+    timeout_s: float = 30.0  # a request not answered by then gets 503 (its lines are dropped)
+    batch_tokens: int = 4096  # one batch: source tokens x beam
+    batch_sentences: int = 64  # one batch: lines
+    batch_wait_ms: float = 5.0  # how long the worker waits for more lines when the queue is short
+    max_batch_requests: int = 0  # requests whose lines may share a batch; 0 = any number (1: no batching)
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        for name in ("beam_size", "max_body_bytes", "max_texts", "max_chars", "max_tokens", "max_beam"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_queue", "batch_tokens", "batch_sentences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.timeout_s <= 0 or self.batch_wait_ms < 0 or self.max_batch_requests < 0:
+            raise ValueError(
+                f"timeout_s must be positive and batch_wait_ms, max_batch_requests not negative; got "
+                f"{self.timeout_s}, {self.batch_wait_ms}, {self.max_batch_requests}"
+            )
+        if self.beam_size > self.max_beam:
+            raise ValueError(f"the default beam_size={self.beam_size} is more than max_beam={self.max_beam}")
+
+
 def _model_preset(d_model: int, d_ff: int, n_heads: int, n_layers: int, dropout: float) -> Mapping[str, Any]:
     return MappingProxyType(
         dict(
@@ -222,7 +256,7 @@ def preset_for_vocabulary(
     return preset(name, **{**overrides, **vocab, "share_embeddings": share})
 
 
-C = TypeVar("C", ModelConfig, TrainConfig, SearchConfig)
+C = TypeVar("C", ModelConfig, TrainConfig, SearchConfig, ServeConfig)
 
 
 def from_dict(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
@@ -353,6 +387,7 @@ __all__ = [
     "ModelConfig",
     "TrainConfig",
     "SearchConfig",
+    "ServeConfig",
     "PRESETS",
     "preset",
     "from_dict",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -15,7 +14,7 @@ import torch  # noqa: E402
 from aiayn.config import SearchConfig  # noqa: E402
 from aiayn.files import atomic_write  # noqa: E402
 from aiayn.model import attention_maps  # noqa: E402
-from aiayn.tokenizer import BOS_ID, SPECIAL_TOKENS, UNK_ID  # noqa: E402
+from aiayn.tokenizer import BOS_ID  # noqa: E402
 from aiayn.translate import Translator  # noqa: E402
 
 
@@ -66,12 +65,6 @@ def save_figure(fig: plt.Figure, path: Path, dpi: int) -> None:
         plt.close(fig)
 
 
-def token_labels(decode: Callable[[list[list[int]]], list[str]], ids: list[int]) -> list[str]:
-    """One readable label per id (its text piece; specials other than unk by name)."""
-    names = {i: token for i, token in SPECIAL_TOKENS.items() if i != UNK_ID}
-    return [names.get(i) or decode([[i]])[0].replace(" ", "▁") or "·" for i in ids]
-
-
 def plot_attention(translator: Translator, source: str, out_dir: str | Path, layer: int = -1) -> list[Path]:
     """Heatmaps of encoder self, decoder self and encoder-decoder attention for one sentence.
 
@@ -88,8 +81,7 @@ def plot_attention(translator: Translator, source: str, out_dir: str | Path, lay
     maps = attention_maps(
         model, torch.tensor([src_ids], device=device), torch.tensor([tgt_in], device=device)
     )
-    src_labels = token_labels(tok.decode_src, src_ids)
-    tgt_labels = token_labels(tok.decode_tgt, tgt_in)
+    src_labels, tgt_labels = tok.labels(src_ids, "src"), tok.labels(tgt_in, "tgt")
     panels = {
         "encoder": ("Encoder self-attention", src_labels, src_labels),
         "decoder": ("Decoder masked self-attention", tgt_labels, tgt_labels),

@@ -151,6 +151,13 @@ class Tokenizer:
         """Text from source ids; pad, bos and eos are dropped, unknown ids read "<unk>"."""
         return _decode(self._src, ids)
 
+    def labels(self, ids: list[int], side: Literal["src", "tgt"]) -> list[str]:
+        """One readable label per id, for pictures: its text piece (a space shown as ▁), the special
+        tokens other than unk by name."""
+        decode = self.decode_src if side == "src" else self.decode_tgt
+        names = {i: token for i, token in SPECIAL_TOKENS.items() if i != UNK_ID}
+        return [names.get(i) or decode([[i]])[0].replace(" ", "▁") or "·" for i in ids]
+
     def decode_tgt(self, ids: list[list[int]]) -> list[str]:
         """Text from target ids; pad, bos and eos are dropped, unknown ids read "<unk>"."""
         return _decode(self._tgt, ids)

@@ -1,0 +1,373 @@
+"""The HTTP API of `aiayn serve` with an in-process client and a tiny trained model: every endpoint,
+every limit and error type, translations equal Translator.translate, attention invariants, batching
+across requests, a client that goes away, and a shutdown with requests pending."""
+
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import uvicorn
+from conftest import run_train
+from fastapi.testclient import TestClient
+
+from aiayn.config import SearchConfig, ServeConfig, TrainConfig, preset
+from aiayn.data import Corpus
+from aiayn.model import attention_maps
+from aiayn.server import STATIC, Call, create_app
+from aiayn.synthetic import generate
+from aiayn.tokenizer import BOS_ID, Tokenizer
+from aiayn.translate import Translator
+
+SRC, TGT = generate(400, seed=21)
+INPUTS = ["The small dogs see a red bird.", "A happy child found this key.", "My old horse likes the river."]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "model"
+    tokenizer = Tokenizer.train(SRC, TGT, vocab_size=400)
+    config = preset("tiny", vocab_size=tokenizer.src_vocab_size)
+    cfg = TrainConfig(max_updates=60, max_tokens=800, warmup_steps=20, lr_scale=2.0, dtype="fp32")
+    run_train(out, config, cfg, tokenizer, Corpus(SRC, TGT))
+    return out
+
+
+@pytest.fixture(scope="module")
+def translator(model_dir):
+    return Translator.load(model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu")
+
+
+def client_for(translator, **limits) -> TestClient:
+    options = {k: limits.pop(k) for k in ("api_key", "cors_origins") if k in limits}
+    return TestClient(create_app(translator, ServeConfig(**limits), **options))
+
+
+@pytest.fixture(scope="module")
+def client(translator):
+    with client_for(translator) as c:
+        yield c
+
+
+def error_of(response, status: int, kind: str) -> str:
+    """The one error shape: {"error": {"type", "message"}} with the status, never a traceback."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["type"] == kind, body
+    assert "Traceback" not in response.text
+    return body["error"]["message"]
+
+
+# --- /translate ----------------------------------------------------------------------------------------
+
+
+def test_translations_equal_the_translators(client, translator):
+    response = client.post("/translate", json={"text": INPUTS})
+    assert response.status_code == 200 and response.json() == {"translations": translator.translate(INPUTS)}
+    assert int(response.headers["X-Batch-Size"]) >= 1
+    assert client.post("/translate", json={"text": INPUTS[0]}).json()["translations"] == translator.translate(
+        INPUTS[:1]
+    )
+    greedy = client.post("/translate", json={"text": INPUTS, "beam_size": 1}).json()["translations"]
+    assert greedy == translator.translate(INPUTS, beam_size=1)
+    # A text of several lines: each line translated, the lines kept.
+    two = client.post("/translate", json={"text": f"{INPUTS[0]}\n{INPUTS[1]}"}).json()["translations"]
+    assert two == ["\n".join(translator.translate(INPUTS[:2]))]
+    assert client.post("/translate", json={"text": []}).json() == {"translations": []}
+
+
+def test_n_best_lists(client, translator):
+    body = client.post("/translate", json={"text": INPUTS[:2], "n_best": 3}).json()
+    want = translator.translate_n_best(INPUTS[:2], 3)
+    assert body["translations"] == [group[0][0] for group in want]
+    for got, expected in zip(body["n_best"], want):
+        assert [a["text"] for a in got] == [text for text, _ in expected]
+        assert [a["score"] for a in got] == pytest.approx([score for _, score in expected])
+        assert [a["score"] for a in got] == sorted((a["score"] for a in got), reverse=True)
+
+
+@pytest.mark.parametrize(
+    "body,status,kind",
+    [
+        ({"text": "a", "foo": 1}, 422, "invalid_request"),  # unknown fields refused
+        ({"text": 3}, 422, "invalid_request"),
+        ({}, 422, "invalid_request"),
+        ({"text": "a", "beam_size": 0}, 422, "invalid_request"),
+        ({"text": "a", "beam_size": 99}, 422, "invalid_request"),
+        ({"text": "a", "n_best": 9}, 422, "invalid_request"),
+        ({"text": ["a"] * 65}, 413, "too_many_texts"),
+        ({"text": "x" * 5001}, 413, "too_long"),
+        ({"text": "dog " * 300}, 413, "too_long"),  # characters within the limit, tokens not
+    ],
+)
+def test_bad_requests_are_4xx_with_one_error_shape(client, body, status, kind):
+    message = error_of(client.post("/translate", json=body), status, kind)
+    assert message
+
+
+def test_malformed_and_oversized_bodies(client, translator):
+    error_of(
+        client.post("/translate", content=b"{not json", headers={"Content-Type": "application/json"}),
+        422,
+        "invalid_request",
+    )
+    with client_for(translator, max_body_bytes=100) as small:
+        error_of(small.post("/translate", json={"text": "x" * 200}), 413, "too_large")
+    error_of(client.get("/nowhere"), 404, "not_found")
+    error_of(client.get("/translate"), 405, "method_not_allowed")
+
+
+def test_a_full_queue_is_503_with_retry_after_at_once(translator):
+    with client_for(translator, max_queue=2) as c:
+        response = c.post("/translate", json={"text": INPUTS})  # 3 lines, room for 2
+        error_of(response, 503, "overloaded")
+        assert response.headers["Retry-After"] == "1"
+        assert c.post("/translate", json={"text": INPUTS[:2]}).status_code == 200  # and nothing was queued
+
+
+def block_worker(app, seconds: float) -> threading.Event:
+    """Make the model worker busy for a while (a call of our own in its queue); set the event to free it."""
+    release = threading.Event()
+
+    class Fake:  # a Pending whose answer nobody awaits
+        gone = False
+
+        def settle(self, outcome):
+            pass
+
+    app.state.service.worker.submit([Call(lambda: release.wait(seconds), Fake())])
+    return release
+
+
+def test_a_request_past_its_deadline_is_dropped_with_503(translator):
+    with client_for(translator, timeout_s=0.3) as c:
+        release = block_worker(c.app, 5)
+        started = time.monotonic()
+        response = c.post("/translate", json={"text": INPUTS[0]})
+        error_of(response, 503, "timeout")
+        assert time.monotonic() - started < 3
+        release.set()
+        assert c.post("/translate", json={"text": INPUTS[0]}).status_code == 200  # the server goes on
+
+
+# --- /attention --------------------------------------------------------------------------------------
+
+
+def test_attention_rows_sum_to_one_with_the_shapes_of_the_tokens(client, translator):
+    body = client.post("/attention", json={"text": INPUTS[1]}).json()
+    src_ids = translator.tokenizer.encode_src([INPUTS[1]])[0]
+    tokens = translator.translate_ids([src_ids], SearchConfig(beam_size=1))[0][0].tokens
+    S, T = len(src_ids), len(tokens) + 1  # the decoder reads BOS and the output
+    assert len(body["source_tokens"]) == S and len(body["target_tokens"]) == T
+    assert body["translation"] == translator.translate(INPUTS[1:2], beam_size=1)[0]
+    config = translator.model.config
+    for kind, rows, cols, layers in (("encoder", S, S, config.n_encoder_layers), ("decoder", T, T, config.n_decoder_layers),
+                                      ("cross", T, S, config.n_decoder_layers)):  # fmt: skip
+        weights = torch.tensor(body[kind])
+        assert weights.shape == (layers, config.n_heads, rows, cols)
+        torch.testing.assert_close(
+            weights.sum(-1), torch.ones(layers, config.n_heads, rows), atol=1e-5, rtol=0
+        )
+        if kind == "decoder":  # a position never attends to a later one
+            assert weights.triu(1).abs().max() == 0
+    maps = attention_maps(translator.model, torch.tensor([src_ids]), torch.tensor([[BOS_ID, *tokens]]))
+    torch.testing.assert_close(torch.tensor(body["cross"]), torch.stack([m[0] for m in maps["cross"]]))
+
+
+@pytest.mark.parametrize("text", ["", "   ", "two\nlines", "x" * 5001])
+def test_attention_takes_one_sentence(client, text):
+    response = client.post("/attention", json={"text": text})
+    assert response.status_code in (400, 413) and response.json()["error"]["type"] in (
+        "invalid_request",
+        "too_long",
+    )
+
+
+# --- /health, /info, /metrics, the page, keys ------------------------------------------------------------
+
+
+def test_health_info_metrics_and_the_page(client, model_dir):
+    assert client.get("/health").json() == {"status": "ok"}
+    info = client.get("/info").json()
+    assert info["model"]["d_model"] == 64 and info["dtype"] == "fp32" and info["device"] == "cpu"
+    assert info["limits"]["max_queue"] == 1024 and info["engine"] == "torch"
+    assert str(model_dir) not in json.dumps(info) and "/" not in json.dumps(info["model"])  # no file paths
+    client.post("/translate", json={"text": "a", "foo": 1})
+    metrics = client.get("/metrics").text
+    assert re.search(r'aiayn_requests_total\{code="200",endpoint="/translate"\} \d', metrics)
+    assert re.search(r'aiayn_failures_total\{reason="invalid_request"\} \d', metrics)
+    assert "aiayn_batch_lines_bucket" in metrics and "aiayn_queue_seconds_bucket" in metrics
+    assert "testclient" not in metrics and "127.0.0.1" not in metrics  # no client addresses
+    page = client.get("/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert page.headers["Content-Security-Policy"] == "default-src 'self'"
+    assert client.get("/static/app.js").status_code == 200
+
+
+def test_the_page_needs_nothing_from_outside_and_runs_no_inline_script():
+    for path in STATIC.iterdir():
+        text = path.read_text()
+        urls = [u for u in re.findall(r"https?://[^\s\"')]+", text) if u != "http://www.w3.org/2000/svg"]
+        assert not urls, (path.name, urls)
+        if path.suffix == ".html":  # scripts only from files, no handler attributes (CSP would block them)
+            assert "<script>" not in text and not re.search(r"\son[a-z]+\s*=", text)
+        if path.suffix == ".js":
+            assert "innerHTML" not in text and "eval(" not in text  # text goes in with textContent
+
+
+def test_an_api_key_guards_the_api_but_not_the_page_or_health(translator):
+    with client_for(translator, api_key="s3cret") as c:
+        for path in ("/info", "/metrics"):
+            error_of(c.get(path), 401, "unauthorized")
+            error_of(c.get(path, headers={"Authorization": "Bearer wrong"}), 401, "unauthorized")
+            assert c.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        response = c.post("/translate", json={"text": "a"})
+        error_of(response, 401, "unauthorized")
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+        assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
+
+
+def test_no_cors_unless_asked(translator):
+    origin = {"Origin": "http://elsewhere.example"}
+    with client_for(translator) as c:
+        assert "access-control-allow-origin" not in c.get("/health", headers=origin).headers
+    with client_for(translator, cors_origins=("http://elsewhere.example",)) as c:
+        assert (
+            c.get("/health", headers=origin).headers["access-control-allow-origin"]
+            == "http://elsewhere.example"
+        )
+
+
+# --- Batching across requests ----------------------------------------------------------------------------
+
+
+def concurrent(c, bodies: list[dict]) -> list:
+    out = [None] * len(bodies)
+
+    def send(i: int) -> None:
+        out[i] = c.post("/translate", json=bodies[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_lines_of_concurrent_requests_share_a_batch_and_the_header_says_so(translator):
+    with client_for(translator, batch_wait_ms=300) as c:
+        release = block_worker(c.app, 5)  # the requests queue up behind it, then go as one batch
+        threading.Timer(0.5, release.set).start()
+        responses = concurrent(c, [{"text": [text]} for text in INPUTS])
+        assert [r.json()["translations"] for r in responses] == [translator.translate([t]) for t in INPUTS]
+        assert max(int(r.headers["X-Batch-Size"]) for r in responses) == 3
+    with client_for(translator, batch_wait_ms=300, max_batch_requests=1) as c:  # no batching across requests
+        release = block_worker(c.app, 5)
+        threading.Timer(0.5, release.set).start()
+        responses = concurrent(c, [{"text": [text]} for text in INPUTS])
+        assert [int(r.headers["X-Batch-Size"]) for r in responses] == [1, 1, 1]
+
+
+# --- A real server: a client that goes away, a shutdown with requests pending ---------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def live(translator):
+    """A uvicorn server in a thread on a free loopback port: (app, port, server)."""
+    app = create_app(translator, ServeConfig(batch_wait_ms=1))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    yield app, port, server
+    server.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def raw_post(port: int, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+    return s
+
+
+def test_a_client_that_goes_away_is_not_translated(live):
+    app, port, _ = live
+    worker = app.state.service.worker
+    release = block_worker(app, 10)
+    s = raw_post(port, {"text": INPUTS})
+    time.sleep(0.3)  # queued behind the blocked worker
+    s.close()  # the client goes
+    time.sleep(0.3)  # the server notices (it polls every 50 ms)
+    before = app.state.service.metrics.failures.labels("disconnected")._value.get()
+    release.set()
+    deadline = time.monotonic() + 10
+    while app.state.service.metrics.failures.labels("disconnected")._value.get() < before + 3:
+        assert time.monotonic() < deadline, "the lines of the client that went were not dropped"
+        time.sleep(0.05)
+    assert worker.alive and worker.waiting == 0
+
+
+def test_a_shutdown_answers_the_requests_it_holds(live):
+    app, port, server = live
+    release = block_worker(app, 10)
+    sockets = [raw_post(port, {"text": [text]}) for text in INPUTS]
+    time.sleep(0.3)
+    server.should_exit = True  # like SIGTERM: no new connections; those in flight are answered
+    release.set()
+    for s in sockets:
+        s.settimeout(30)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = s.recv(65536)
+            assert chunk, "the connection closed without an answer"
+            reply += chunk
+        assert reply.split(b" ")[1] in (b"200", b"503"), reply[:200]
+        s.close()
+
+
+def test_a_bug_is_a_500_in_the_error_shape_and_a_dead_worker_a_503(translator, monkeypatch):
+    with TestClient(create_app(translator), raise_server_exceptions=False) as c:
+        monkeypatch.setattr(translator.tokenizer, "encode_src", lambda texts: 1 / 0)
+        error_of(c.post("/translate", json={"text": "a"}), 500, "internal")
+        monkeypatch.undo()
+        worker = c.app.state.service.worker
+        monkeypatch.setattr(worker, "translate_batch", lambda batch: 1 / 0)  # a bug inside the worker
+        error_of(c.post("/translate", json={"text": "a"}), 503, "unavailable")  # answered, not left waiting
+        assert not worker.alive
+        error_of(c.get("/health"), 503, "unavailable")
+        error_of(c.post("/translate", json={"text": "a"}), 503, "unavailable")
+
+
+def test_the_ctranslate2_engine_translates_and_attention_stays_with_torch(model_dir, translator, tmp_path):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import CTranslate2Translator, export_ctranslate2
+
+    export_ctranslate2(model_dir, tmp_path / "ct2")
+    engine = CTranslate2Translator(tmp_path / "ct2", SearchConfig(beam_size=1), threads=1)
+    with TestClient(
+        create_app(translator, ServeConfig(beam_size=1), engine=engine, engine_name="ctranslate2")
+    ) as c:
+        assert c.get("/info").json()["engine"] == "ctranslate2"
+        body = c.post("/translate", json={"text": INPUTS}).json()
+        assert body["translations"] == translator.translate(INPUTS, beam_size=1)  # greedy: the same tokens
+        assert c.post("/attention", json={"text": INPUTS[0]}).status_code == 200
+        error_of(
+            c.post("/translate", json={"text": INPUTS, "beam_size": 4}), 422, "invalid_request"
+        )  # gnmt beams
