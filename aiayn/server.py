@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -52,11 +53,13 @@ from aiayn.tokenizer import BOS_ID
 from aiayn.translate import Translator
 
 STATIC = Path(__file__).parent / "static"
-SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-}
+SECURITY_HEADERS = MappingProxyType(
+    {
+        "Content-Security-Policy": "default-src 'self'",
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+    }
+)
 log = logging.getLogger("aiayn.server")
 
 
