@@ -4,6 +4,7 @@ on 2 cores), running the CLI in-process, and checking its one-line errors."""
 import contextlib
 import io
 
+import pytest
 import torch
 
 from aiayn.cli import main
@@ -57,3 +58,21 @@ def run_train(out, model_config, train_config, tokenizer, corpus, mode: str = "n
     else:
         data = prepare_corpus(run.data_dir, corpus, tokenizer=tokenizer, say=lambda line: None)
     return train(run, model_config, train_config, data, device=torch.device("cpu"), **kwargs)
+
+
+@pytest.fixture(scope="session")
+def served_model(tmp_path_factory):
+    """A tiny model trained for 60 updates on the synthetic task (outputs end, and depend on the input):
+    what the server and page tests serve."""
+    from aiayn.config import TrainConfig, preset
+    from aiayn.data import Corpus
+    from aiayn.synthetic import generate
+    from aiayn.tokenizer import Tokenizer
+
+    src, tgt = generate(400, seed=21)
+    out = tmp_path_factory.mktemp("served") / "model"
+    tokenizer = Tokenizer.train(src, tgt, vocab_size=400)
+    config = preset("tiny", vocab_size=tokenizer.src_vocab_size)
+    cfg = TrainConfig(max_updates=60, max_tokens=800, warmup_steps=20, lr_scale=2.0, dtype="fp32")
+    run_train(out, config, cfg, tokenizer, Corpus(src, tgt))
+    return out

@@ -181,7 +181,7 @@ function download() {
   document.body.appendChild(link);
   link.click();
   link.remove();
-  URL.revokeObjectURL(link.href);
+  setTimeout(() => URL.revokeObjectURL(link.href), 1000);  // revoked at once, some browsers cancel it
 }
 
 document.addEventListener("DOMContentLoaded", () => {
