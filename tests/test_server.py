@@ -333,7 +333,8 @@ def test_a_shutdown_answers_the_requests_it_holds(live):
         s.close()
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the bug kills the worker
+# the bug kills the worker thread; its traceback goes to the server log, not to the client
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_bug_is_a_500_in_the_error_shape_and_a_dead_worker_a_503(translator, monkeypatch):
     with TestClient(create_app(translator), raise_server_exceptions=False) as c:
         monkeypatch.setattr(translator.tokenizer, "encode_src", lambda texts: 1 / 0)
