@@ -187,10 +187,9 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        for name in ("beam_size", "max_body_bytes", "max_texts", "max_chars", "max_tokens", "max_beam"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_queue", "batch_tokens", "batch_sentences"):
+        at_least_one = ("beam_size", "max_body_bytes", "max_texts", "max_chars", "max_tokens", "max_beam",
+                        "max_queue", "batch_tokens", "batch_sentences")  # fmt: skip
+        for name in at_least_one:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.timeout_s <= 0 or self.batch_wait_ms < 0 or self.max_batch_requests < 0:

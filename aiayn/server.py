@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -55,8 +56,9 @@ from aiayn.translate import Translator
 STATIC = Path(__file__).parent / "static"
 SECURITY_HEADERS = MappingProxyType(
     {
-        "Content-Security-Policy": "default-src 'self'",
+        "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'",  # no inline script, no framing
         "X-Content-Type-Options": "nosniff",
+        "X-Frame-Options": "DENY",
         "Referrer-Policy": "no-referrer",
     }
 )
@@ -677,14 +679,19 @@ def serve(
 
     from aiayn.precision import resolve_device
 
+    listener = listen(host, port)  # before the model loads: a port in use is said at once
     search = SearchConfig(beam_size=config.beam_size)
     if engine == "ctranslate2":  # CTranslate2's beam search has only the average length penalty
         search = replace(search, length_penalty="average")
         log.warning("--engine ctranslate2: beams use the average length penalty, score / |Y|^alpha")
-    translator = Translator.load(model_dir, search, dtype=dtype, device=resolve_device(device))
+    try:
+        translator = Translator.load(model_dir, search, dtype=dtype, device=resolve_device(device))
+    except BaseException:
+        listener.close()
+        raise
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it", host)
-    with tempfile.TemporaryDirectory(prefix="aiayn-ct2-") as scratch:
+    with listener, tempfile.TemporaryDirectory(prefix="aiayn-ct2-") as scratch:
         other = None
         if engine == "ctranslate2":  # the exported model translates; attention stays with PyTorch
             try:
@@ -704,13 +711,27 @@ def serve(
             translator, config, engine=other, threads=threads, api_key=api_key, cors_origins=cors_origins,
             engine_name=engine,
         )  # fmt: skip
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level="warning",
-            timeout_graceful_shutdown=int(config.timeout_s) + 5,
+        settings = uvicorn.Config(
+            app, log_level="warning", timeout_graceful_shutdown=int(config.timeout_s) + 5
         )
+        uvicorn.Server(settings).run(sockets=[listener])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening, or a ValueError that names the address."""
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on connections of a socket that says so, and
+    # without it Nagle's algorithm and delayed ACKs add about 40 ms to every response.
+    listener = socket.socket(
+        socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        listener.bind((host, port))
+        listener.listen(2048)
+    except OSError as e:
+        listener.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return listener
 
 
 __all__ = ["create_app", "serve", "ApiError"]

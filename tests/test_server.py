@@ -2,9 +2,12 @@
 every limit and error type, translations equal Translator.translate, attention invariants, batching
 across requests, a client that goes away, and a shutdown with requests pending."""
 
+import asyncio
 import json
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from aiayn.config import SearchConfig, ServeConfig
 from aiayn.model import attention_maps
-from aiayn.server import STATIC, Call, create_app
+from aiayn.server import STATIC, Call, create_app, listen
 from aiayn.tokenizer import BOS_ID
 from aiayn.translate import Translator
 
@@ -187,6 +190,7 @@ def test_health_info_metrics_and_the_page(client, model_dir):
     assert info["limits"]["max_queue"] == 1024 and info["engine"] == "torch"
     assert str(model_dir) not in json.dumps(info) and "/" not in json.dumps(info["model"])  # no file paths
     client.post("/translate", json={"text": "a", "foo": 1})
+    assert client.post("/translate", json={"text": "a"}).status_code == 200
     metrics = client.get("/metrics").text
     assert re.search(r'aiayn_requests_total\{code="200",endpoint="/translate"\} \d', metrics)
     assert re.search(r'aiayn_failures_total\{reason="invalid_request"\} \d', metrics)
@@ -194,7 +198,8 @@ def test_health_info_metrics_and_the_page(client, model_dir):
     assert "testclient" not in metrics and "127.0.0.1" not in metrics  # no client addresses
     page = client.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    assert page.headers["Content-Security-Policy"] == "default-src 'self'"
+    assert page.headers["Content-Security-Policy"] == "default-src 'self'; frame-ancestors 'none'"
+    assert page.headers["X-Frame-Options"] == "DENY" and page.headers["X-Content-Type-Options"] == "nosniff"
     assert client.get("/static/app.js").status_code == 200
 
 
@@ -364,3 +369,40 @@ def test_the_ctranslate2_engine_translates_and_attention_stays_with_torch(model_
         error_of(
             c.post("/translate", json={"text": INPUTS, "beam_size": 4}), 422, "invalid_request"
         )  # gnmt beams
+
+
+def test_a_port_in_use_is_a_clear_error_before_the_model_loads(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "aiayn", "serve", str(model_dir), "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert f"aiayn: error: cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_connections_to_the_servers_socket_send_without_nagle_delay():
+    """asyncio sets TCP_NODELAY on an accepted connection only when the listening socket names
+    IPPROTO_TCP; without it a response waits about 40 ms for the client's delayed ACK."""
+
+    async def accepted_socket() -> socket.socket:
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+
+        class Accept(asyncio.Protocol):
+            def connection_made(self, transport):
+                accepted.set_result(transport.get_extra_info("socket"))
+
+        server = await loop.create_server(Accept, sock=listen("127.0.0.1", 0))
+        async with server:
+            _, writer = await asyncio.open_connection(*server.sockets[0].getsockname())
+            sock = await asyncio.wait_for(accepted, 10)
+            nodelay = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            writer.close()
+        return nodelay
+
+    assert asyncio.run(accepted_socket())

@@ -1,0 +1,295 @@
+"""Load on `aiayn serve`: client and server on loopback, cross-request batching on versus off.
+
+The server is `aiayn serve` started as a subprocess (one worker thread, `--threads 1`, so the load
+generator has the other core of a 2-core machine); the load is N concurrent clients, each sending one
+sentence per request (real Multi30k validation sentences) and sending the next as soon as the answer
+comes, for a fixed time and at most a fixed number of requests. A prober in its own process asks
+`/health` every 100 ms meanwhile. Each cell reports sentences/s, latency p50/p95/p99, errors by
+status, the mean batch size the server reported (X-Batch-Size) and the /health latency; each server
+its RSS after a warm-up at the largest load and at the end. Then an overload run: a short queue (`--max-queue`) under 64 clients must answer only 200s and
+503s with Retry-After, never anything else.
+
+Cells: engines (torch: aiayn's search; ctranslate2: the exported model) x batching (on; off =
+`--max-batch-requests 1`) x clients (1, 8, 32, 64).
+
+    python benchmarks/bench_serve.py [--model DIR] [--seconds 15] [--clients 1,8,32,64]
+                                     [--engines torch,ctranslate2] [--max-requests 5000]
+
+Without --model it serves `runs/bench_serve/model`, trained once (preset small, de->en, 10 minutes on
+the Multi30k training set, the README's short-run recipe) when it is not there. The last line printed is JSON with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import http.client
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import have, machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
+DEFAULT_MODEL = ROOT / "runs" / "bench_serve" / "model"
+HEALTH_EVERY_S = 0.1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def trained_model(minutes: float) -> Path:
+    """runs/bench_serve/model, trained once with the CLI as a user would."""
+    if (DEFAULT_MODEL / "model.safetensors").exists():
+        return DEFAULT_MODEL
+    if not (MULTI30K / "train.de.gz").exists():
+        sys.exit(f"no model given and no Multi30k at {MULTI30K}: pass --model DIR")
+    print(f"training the served model ({minutes} min, preset small, Multi30k de->en) ...", flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "aiayn", "train", "--train", str(MULTI30K / "train"), "--valid",
+         str(MULTI30K / "val"), "--src-lang", "de", "--tgt-lang", "en", "--preset", "small",
+         "--max-minutes", str(minutes), "--vocab-size", "6000", "--max-tokens", "2048", "--set",
+         "warmup_steps=400", "--set", "lr_scale=0.5", "--set", "valid_every=400",  # the README's short-run recipe
+         "--out", str(DEFAULT_MODEL.parent / "run"), "--quiet"],
+        check=True,
+    )  # fmt: skip
+    DEFAULT_MODEL.parent.mkdir(parents=True, exist_ok=True)
+    (DEFAULT_MODEL.parent / "run").rename(DEFAULT_MODEL)
+    return DEFAULT_MODEL
+
+
+def sentences(lang: str) -> list[str]:
+    """The Multi30k validation sentences in the model's source language."""
+    path = MULTI30K / f"val.{lang}.gz"
+    if not path.exists():
+        sys.exit(f"no {path}: the load uses real validation sentences")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+class Server:
+    """`aiayn serve MODEL` on a free loopback port, as a subprocess."""
+
+    def __init__(self, model: Path, engine: str, extra: list[str]):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        command = [sys.executable, "-m", "aiayn", "serve", str(model), "--port", self.url.rsplit(":", 1)[1],
+                   "--engine", engine, "--dtype", "fp32", "--threads", "1", *extra]  # fmt: skip
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                httpx.get(f"{self.url}/health", timeout=1).raise_for_status()
+                return
+            except httpx.HTTPError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    sys.exit(f"the server did not start: {' '.join(command)}\n{self.proc.stderr.read()}")
+                time.sleep(0.2)
+
+    def rss_mb(self) -> float:
+        return rss_mb(self.proc.pid)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def quantile(values: list[float], q: float) -> float:
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def probe_health(url: str, seconds: float, out) -> None:
+    """GET /health every HEALTH_EVERY_S on its own connection, in its own process (so that the load
+    generator's work on its responses does not count as the server's latency); sends the latencies."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    latencies, errors = [], Counter()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        connection.request("GET", "/health")
+        response = connection.getresponse()
+        response.read()
+        latencies.append(time.perf_counter() - t0)
+        if response.status != 200:
+            errors[f"health {response.status}"] += 1
+        time.sleep(HEALTH_EVERY_S)
+    out.send((latencies, errors))
+
+
+async def load(url: str, texts: list[str], clients: int, seconds: float, max_requests: int) -> dict:
+    """clients concurrent loops of one-sentence requests for `seconds` (or max_requests in all)."""
+    latencies: list[float] = []
+    batches: list[int] = []
+    statuses: Counter = Counter()
+    retry_after_missing = 0
+    issued = 0
+    limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients + 1)
+    parent, child = multiprocessing.get_context("fork").Pipe()
+    prober = multiprocessing.get_context("fork").Process(target=probe_health, args=(url, seconds, child))
+    prober.start()
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
+        start = time.perf_counter()
+        end = start + seconds
+
+        async def one_client(k: int) -> None:
+            nonlocal issued, retry_after_missing
+            i = k * 97
+            while time.perf_counter() < end and issued < max_requests:
+                issued += 1
+                text = texts[i % len(texts)]
+                i += 1
+                t0 = time.perf_counter()
+                try:
+                    r = await client.post("/translate", json={"text": text})
+                except httpx.HTTPError as e:
+                    statuses[type(e).__name__] += 1
+                    continue
+                statuses[r.status_code] += 1
+                if r.status_code == 200:
+                    latencies.append(time.perf_counter() - t0)
+                    batches.append(int(r.headers["x-batch-size"]))
+                elif r.status_code == 503:
+                    retry_after_missing += "retry-after" not in r.headers
+                    await asyncio.sleep(float(r.headers.get("retry-after", 1)))  # as a polite client does
+
+        await asyncio.gather(*(one_client(k) for k in range(clients)))
+        elapsed = time.perf_counter() - start
+    health, health_errors = parent.recv()
+    prober.join()
+    statuses.update(health_errors)
+    errors = {str(k): v for k, v in statuses.items() if k != 200 and v}
+    return {
+        "clients": clients,
+        "seconds": round(elapsed, 2),
+        "requests": sum(v for k, v in statuses.items() if not str(k).startswith("health")),
+        "sentences_per_s": round(len(latencies) / elapsed, 2),
+        "p50_ms": round(1000 * quantile(latencies, 0.50), 1),
+        "p95_ms": round(1000 * quantile(latencies, 0.95), 1),
+        "p99_ms": round(1000 * quantile(latencies, 0.99), 1),
+        "mean_batch": round(statistics.fmean(batches), 2) if batches else 0.0,
+        "errors": errors,
+        "retry_after_missing": retry_after_missing,
+        "health_max_ms": round(1000 * max(health), 1) if health else float("nan"),
+        "health_p99_ms": round(1000 * quantile(health, 0.99), 1) if health else float("nan"),
+    }
+
+
+def run_server(model: Path, engine: str, batching: bool, args, texts: list[str]) -> dict:
+    extra = [] if batching else ["--max-batch-requests", "1"]
+    server = Server(model, engine, extra + args.server_args)
+    try:
+        # warm-up at the largest load: the allocator has then seen the largest batches
+        asyncio.run(load(server.url, texts, max(args.clients), 5.0, 10**9))
+        rss_start = server.rss_mb()
+        cells = []
+        for clients in args.clients:
+            cell = asyncio.run(load(server.url, texts, clients, args.seconds, args.max_requests))
+            cell.update(engine=engine, batching=batching, rss_mb=round(server.rss_mb(), 1))
+            cells.append(cell)
+            print(json.dumps(cell), flush=True)
+        return {"engine": engine, "batching": batching, "rss_start_mb": round(rss_start, 1),
+                "rss_end_mb": round(server.rss_mb(), 1), "cells": cells}  # fmt: skip
+    finally:
+        server.stop()
+
+
+def overload(model: Path, args, texts: list[str]) -> dict:
+    """64 clients against a queue of 8 lines: only 200 and 503 (with Retry-After) may come back."""
+    server = Server(model, "torch", ["--max-queue", "8", *args.server_args])
+    try:
+        cell = asyncio.run(load(server.url, texts, 64, args.seconds, args.max_requests))
+        cell.update(engine="torch", batching=True, max_queue=8)
+        print(json.dumps(cell), flush=True)
+        return cell
+    finally:
+        server.stop()
+
+
+def table(servers: list[dict], clients: list[int]) -> str:
+    lines = [
+        "| engine | clients | batching off: sent/s | p50 / p95 / p99 ms | batching on: sent/s | p50 / p95 / p99 ms "
+        "| mean batch | on / off | errors | /health max ms |",
+        "|---|---:|---:|---|---:|---|---:|---:|---|---:|",
+    ]
+    by = {(s["engine"], s["batching"]): {c["clients"]: c for c in s["cells"]} for s in servers}
+    for engine in dict.fromkeys(s["engine"] for s in servers):
+        for n in clients:
+            off, on = by[(engine, False)][n], by[(engine, True)][n]
+            errors = {
+                **{f"off {k}": v for k, v in off["errors"].items()},
+                **{f"on {k}": v for k, v in on["errors"].items()},
+            }
+            lines.append(
+                f"| {engine} | {n} | {off['sentences_per_s']:.1f} | {off['p50_ms']:.0f} / {off['p95_ms']:.0f} / "
+                f"{off['p99_ms']:.0f} | {on['sentences_per_s']:.1f} | {on['p50_ms']:.0f} / {on['p95_ms']:.0f} / "
+                f"{on['p99_ms']:.0f} | {on['mean_batch']:.1f} | {on['sentences_per_s'] / off['sentences_per_s']:.2f}x "
+                f"| {errors or 0} | {max(off['health_max_ms'], on['health_max_ms']):.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model", type=Path, help="model directory to serve (default: train runs/bench_serve/model)"
+    )
+    p.add_argument(
+        "--src-lang", default="de", help="the language of the model's source (Multi30k de, en or fr)"
+    )
+    p.add_argument("--train-minutes", type=float, default=10.0)
+    p.add_argument("--seconds", type=float, default=15.0, help="load time per cell")
+    p.add_argument("--max-requests", type=int, default=5000, help="requests per cell, at most")
+    p.add_argument("--clients", default="1,8,32,64")
+    p.add_argument("--engines", default="torch,ctranslate2")
+    p.add_argument("--server-args", default="", help="more `aiayn serve` flags, space-separated")
+    args = p.parse_args()
+    args.clients = [int(c) for c in args.clients.split(",")]
+    args.server_args = args.server_args.split()
+    engines = [e for e in args.engines.split(",") if e != "ctranslate2" or have("ctranslate2")]
+    model = args.model or trained_model(args.train_minutes)
+    texts = sentences(args.src_lang)
+    load_before = os.getloadavg()[0]
+    print(f"{machine()}; load average before: {load_before:.2f}; serving {model}", flush=True)
+    servers = [run_server(model, e, b, args, texts) for e in engines for b in (False, True)]
+    over = overload(model, args, texts)
+    print()
+    print(table(servers, args.clients))
+    print()
+    for s in servers:
+        print(f"{s['engine']:12s} batching {'on ' if s['batching'] else 'off'}: RSS {s['rss_start_mb']:.0f} MB after "
+              f"warm-up, {s['rss_end_mb']:.0f} MB at the end")  # fmt: skip
+    print(f"overload (64 clients, --max-queue 8): {over['sentences_per_s']:.1f} sent/s, statuses other than 200: "
+          f"{over['errors']}, 503s without Retry-After: {over['retry_after_missing']}")  # fmt: skip
+    print(
+        json.dumps({"machine": machine(), "load_before": load_before, "servers": servers, "overload": over})
+    )
+
+
+if __name__ == "__main__":
+    main()
