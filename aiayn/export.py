@@ -210,43 +210,64 @@ class CTranslate2Translator:
                 "use length_penalty='average' (score / |Y|^alpha) or alpha=0"
             )
         results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in ids]
-        # CTranslate2 has one maximum length per call, so sentences are grouped by theirs (§6.1).
-        groups: dict[int, list[int]] = defaultdict(list)
+        limits = {}  # the maximum output length of each sentence (§6.1); only EOS: the empty output
         for i, x in enumerate(ids):
-            if len(x) > 1:  # only EOS (an empty line): the empty output, as Translator
-                groups[math.floor(config.max_len_a * len(x) + config.max_len_b)].append(i)
+            if len(x) > 1:
+                limits[i] = math.floor(config.max_len_a * len(x) + config.max_len_b)
         rows = self.config.max_positions
-        bar = tqdm(total=len(ids), unit="sent", disable=not progress, leave=False)
-        for limit, members in sorted(groups.items()):
-            longest = max(len(ids[i]) for i in members)
-            if max(longest, limit) > rows:
+        for i, limit in limits.items():
+            if max(len(ids[i]), limit) > rows:
                 raise ValueError(
-                    f"a source of {longest} tokens with up to {limit} output tokens needs more positions "
+                    f"a source of {len(ids[i])} tokens with up to {limit} output tokens needs more positions "
                     f"than the {rows} (max_positions) exported to CTranslate2"
                 )
             if limit < 1:
                 raise ValueError(f"every maximum output length must be at least 1, got {limit}")
-            lp = config.alpha if beam else 0.0  # greedy: the score is computed below either way
-            out = self.engine.translate_batch(
-                [[self._src_tokens[t] for t in ids[i]] for i in members],
-                max_batch_size=max(1, self.batch_tokens // config.beam_size),
-                batch_type="tokens",
-                beam_size=config.beam_size,
-                num_hypotheses=config.n_best,
-                length_penalty=lp,
-                return_end_token=True,  # |Y| counts EOS, as search.length_penalty
-                return_scores=True,
-                max_input_length=0,  # never truncate the source
-                max_decoding_length=limit,
-                min_decoding_length=0,  # EOS may come first, as in search.py
-            )
-            for i, result in zip(members, out):
-                results[i] = [
-                    self._hypothesis(h, s, lp, config) for h, s in zip(result.hypotheses, result.scores)
-                ]
+        # CTranslate2 takes one maximum length per call: all sentences are searched at once up to the
+        # largest (a batch of mixed lengths stays one batch), and those whose output reached its own
+        # limit are searched again with it. Greedy: exactly the per-limit result. Beams: a search
+        # whose hypotheses all end before their limit is kept; in the rare case that it went on past
+        # the limit before settling on a shorter hypothesis, it is the longer search's result.
+        bar = tqdm(total=len(ids), unit="sent", disable=not progress, leave=False)
+        first = self._search(ids, list(limits), max(limits.values(), default=0), config)
+        again: dict[int, list[int]] = defaultdict(list)
+        for i, hyps in first.items():
+            if any(len(h.tokens) + 1 >= limits[i] for h in hyps):  # + 1: EOS
+                again[limits[i]].append(i)
+            else:
+                results[i] = hyps
+                bar.update(1)
+        for limit, members in sorted(again.items()):
+            for i, hyps in self._search(ids, members, limit, config).items():
+                results[i] = hyps
             bar.update(len(members))
         bar.close()
         return results
+
+    def _search(
+        self, ids: list[list[int]], members: list[int], limit: int, config: SearchConfig
+    ) -> dict[int, list[Hypothesis]]:
+        """One CTranslate2 call: the sentences `members` of ids, at most `limit` output tokens each."""
+        if not members:
+            return {}
+        lp = config.alpha if config.beam_size > 1 else 0.0  # greedy: the score is computed below either way
+        out = self.engine.translate_batch(
+            [[self._src_tokens[t] for t in ids[i]] for i in members],
+            max_batch_size=max(1, self.batch_tokens // config.beam_size),
+            batch_type="tokens",
+            beam_size=config.beam_size,
+            num_hypotheses=config.n_best,
+            length_penalty=lp,
+            return_end_token=True,  # |Y| counts EOS, as search.length_penalty
+            return_scores=True,
+            max_input_length=0,  # never truncate the source
+            max_decoding_length=limit,
+            min_decoding_length=0,  # EOS may come first, as in search.py
+        )
+        return {
+            i: [self._hypothesis(h, s, lp, config) for h, s in zip(result.hypotheses, result.scores)]
+            for i, result in zip(members, out)
+        }
 
     def _hypothesis(self, tokens: list[str], score: float, lp: float, config: SearchConfig) -> Hypothesis:
         ids = [self._tgt_ids[t] for t in tokens]  # EOS included when it was produced

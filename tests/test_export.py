@@ -181,3 +181,28 @@ def test_variants_score_like_aiayn(tmp_path, norm, joint, positions):
     assert [h[0].tokens for h in theirs.translate_ids(src, search)] == [h[0].tokens for h in ours]
     with pytest.raises(ValueError, match="max_positions"):  # 100 output positions > the 96 exported
         theirs.translate_ids(src[:1], SearchConfig(beam_size=1, max_len_a=0.0, max_len_b=100))
+
+
+def test_sentences_of_mixed_lengths_are_one_call_and_equal_one_by_one(trained, monkeypatch):
+    """CTranslate2 takes one maximum length per call; grouping by length would split a server's batch
+    of mixed lengths into calls of one or two sentences. One call, plus one per limit some output
+    reached, gives what each sentence alone gives."""
+    _, _, ours, theirs = trained
+    ids = ours.tokenizer.encode_src(TEST)
+    assert len({len(x) for x in ids}) > 5  # many different limits
+    for config in (SearchConfig(beam_size=1), SearchConfig(beam_size=4, alpha=0.0)):
+        alone = [theirs.translate_ids([x], config)[0] for x in ids]
+        calls = []
+        engine = theirs.engine
+
+        class Counting:
+            def translate_batch(self, batch, **kwargs):
+                calls.append(len(batch))
+                return engine.translate_batch(batch, **kwargs)
+
+        monkeypatch.setattr(theirs, "engine", Counting())
+        together = theirs.translate_ids(ids, config)
+        monkeypatch.setattr(theirs, "engine", engine)
+        assert [[h.tokens for h in n] for n in together] == [[h.tokens for h in n] for n in alone]
+        reached = {len(x) + 50 for x, n in zip(ids, alone) if len(n[0].tokens) + 1 >= len(x) + 50}
+        assert calls[0] == len(ids) and len(calls) == 1 + len(reached), calls
