@@ -190,16 +190,16 @@ def test_sentences_of_mixed_lengths_are_one_call_and_equal_one_by_one(trained, m
     _, _, ours, theirs = trained
     ids = ours.tokenizer.encode_src(TEST)
     assert len({len(x) for x in ids}) > 5  # many different limits
+    engine, calls = theirs.engine, []
+
+    class Counting:
+        def translate_batch(self, batch, **kwargs):
+            calls.append(len(batch))
+            return engine.translate_batch(batch, **kwargs)
+
     for config in (SearchConfig(beam_size=1), SearchConfig(beam_size=4, alpha=0.0)):
         alone = [theirs.translate_ids([x], config)[0] for x in ids]
-        calls = []
-        engine = theirs.engine
-
-        class Counting:
-            def translate_batch(self, batch, **kwargs):
-                calls.append(len(batch))
-                return engine.translate_batch(batch, **kwargs)
-
+        calls.clear()
         monkeypatch.setattr(theirs, "engine", Counting())
         together = theirs.translate_ids(ids, config)
         monkeypatch.setattr(theirs, "engine", engine)
