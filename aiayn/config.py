@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import typing
@@ -332,9 +333,15 @@ def _parse_value(hint: Any, text: str, where: str) -> Any:
         raise ValueError(f"{where}: expected {hint.__name__}, got {text!r}") from None
 
 
+@functools.cache
+def _type_hints(cls: type) -> Mapping[str, Any]:
+    """A config class's field types, resolved once (the server builds a SearchConfig per request)."""
+    return MappingProxyType(typing.get_type_hints(cls))
+
+
 def _check_types(config: Any) -> None:
     """Refuse wrong-typed values (a string where an int belongs) with the field's name."""
-    hints = typing.get_type_hints(type(config))
+    hints = _type_hints(type(config))
     for field in dataclasses.fields(config):
         value, hint = getattr(config, field.name), hints[field.name]
         if typing.get_origin(hint) is Literal:

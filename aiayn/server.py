@@ -610,8 +610,11 @@ async def wait(request: Request, pending: Pending, submit: Callable[[], None], s
 
 
 async def gone(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.05)
+    """Returns when the client disconnects: once the body is read, the next ASGI message is the
+    disconnect (no polling: 64 waiting requests polling 20 times a second took a quarter of the
+    event loop's time)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def translation_response(
