@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import queue
@@ -714,6 +715,11 @@ def serve(
             translator, config, engine=other, threads=threads, api_key=api_key, cors_origins=cors_origins,
             engine_name=engine,
         )  # fmt: skip
+        # Everything loaded so far (torch, the model, CTranslate2's converters: ~240k objects) lives as
+        # long as the server: out of the cyclic GC's sight, whose full collections over it paused the
+        # event loop for 120-160 ms under load (/health's worst case), now take ~1 ms.
+        gc.collect()
+        gc.freeze()
         settings = uvicorn.Config(
             app, log_level="warning", timeout_graceful_shutdown=int(config.timeout_s) + 5
         )
