@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import have, machine  # noqa: E402
+from common import have, machine, steal_ticks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
@@ -153,6 +153,7 @@ async def load(url: str, texts: list[str], clients: int, seconds: float, max_req
     parent, child = multiprocessing.get_context("fork").Pipe()
     prober = multiprocessing.get_context("fork").Process(target=probe_health, args=(url, seconds, child))
     prober.start()
+    steal = steal_ticks()
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
         start = time.perf_counter()
         end = start + seconds
@@ -195,6 +196,7 @@ async def load(url: str, texts: list[str], clients: int, seconds: float, max_req
         "mean_batch": round(statistics.fmean(batches), 2) if batches else 0.0,
         "errors": errors,
         "retry_after_missing": retry_after_missing,
+        "steal_s": (steal_ticks() - steal) / os.sysconf("SC_CLK_TCK"),  # the VM's host taking our CPU
         "health_max_ms": round(1000 * max(health), 1) if health else float("nan"),
         "health_p99_ms": round(1000 * quantile(health, 0.99), 1) if health else float("nan"),
     }
