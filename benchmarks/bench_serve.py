@@ -7,7 +7,8 @@ comes, for a fixed time and at most a fixed number of requests. A prober in its 
 `/health` every 100 ms meanwhile. Each cell reports sentences/s, latency p50/p95/p99, errors by
 status, the mean batch size the server reported (X-Batch-Size) and the /health latency; each server
 its RSS after a warm-up at the largest load and at the end. Then an overload run: a short queue (`--max-queue`) under 64 clients must answer only 200s and
-503s with Retry-After, never anything else.
+503s with Retry-After, never anything else. Last a soak: 64 clients for --soak seconds, the server's
+RSS every 10 s (a leak grows; a warm allocator plateaus).
 
 Cells: engines (torch: aiayn's search; ctranslate2: the exported model) x batching (on; off =
 `--max-batch-requests 1`) x clients (1, 8, 32, 64).
@@ -233,6 +234,23 @@ def overload(model: Path, args, texts: list[str]) -> dict:
         server.stop()
 
 
+def soak(model: Path, args, texts: list[str]) -> dict:
+    """The torch engine, batching on, 64 clients for args.soak seconds: the server's RSS every 10 s."""
+    server = Server(model, "torch", args.server_args)
+    try:
+        asyncio.run(load(server.url, texts, 64, 5.0, 10**9))
+        rss, served = [round(server.rss_mb(), 1)], 0
+        for _ in range(max(1, round(args.soak / 10))):
+            cell = asyncio.run(load(server.url, texts, 64, 10.0, 10**9))
+            served += cell["requests"]
+            rss.append(round(server.rss_mb(), 1))
+        result = {"seconds": args.soak, "requests": served, "rss_mb_every_10s": rss}
+        print(json.dumps({"soak": result}), flush=True)
+        return result
+    finally:
+        server.stop()
+
+
 def table(servers: list[dict], clients: list[int]) -> str:
     lines = [
         "| engine | clients | batching off: sent/s | p50 / p95 / p99 ms | batching on: sent/s | p50 / p95 / p99 ms "
@@ -269,6 +287,7 @@ def main() -> None:
     p.add_argument("--max-requests", type=int, default=5000, help="requests per cell, at most")
     p.add_argument("--clients", default="1,8,32,64")
     p.add_argument("--engines", default="torch,ctranslate2")
+    p.add_argument("--soak", type=float, default=120.0, help="seconds of 64 clients watching RSS (0: none)")
     p.add_argument("--server-args", default="", help="more `aiayn serve` flags, space-separated")
     args = p.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
@@ -280,6 +299,7 @@ def main() -> None:
     print(f"{machine()}; load average before: {load_before:.2f}; serving {model}", flush=True)
     servers = [run_server(model, e, b, args, texts) for e in engines for b in (False, True)]
     over = overload(model, args, texts)
+    soaked = soak(model, args, texts) if args.soak else None
     print()
     print(table(servers, args.clients))
     print()
@@ -288,9 +308,11 @@ def main() -> None:
               f"warm-up, {s['rss_end_mb']:.0f} MB at the end")  # fmt: skip
     print(f"overload (64 clients, --max-queue 8): {over['sentences_per_s']:.1f} sent/s, statuses other than 200: "
           f"{over['errors']}, 503s without Retry-After: {over['retry_after_missing']}")  # fmt: skip
-    print(
-        json.dumps({"machine": machine(), "load_before": load_before, "servers": servers, "overload": over})
-    )
+    if soaked:
+        print(f"soak (torch, batching on, 64 clients, {soaked['seconds']:.0f} s, {soaked['requests']} requests): "
+              f"RSS every 10 s {soaked['rss_mb_every_10s']} MB")  # fmt: skip
+    figures = {"machine": machine(), "load_before": load_before, "servers": servers, "overload": over}
+    print(json.dumps({**figures, "soak": soaked}))
 
 
 if __name__ == "__main__":
