@@ -22,6 +22,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_translate.py
 	$(PY) benchmarks/bench_scaling.py --plot docs/scaling.png
+	$(PY) benchmarks/bench_serve.py
 
 lint: $(STAMP)
 	.venv/bin/ruff check .

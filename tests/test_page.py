@@ -191,7 +191,9 @@ def submit_too_long(browser) -> str:
 
 def test_the_servers_message_shows_on_the_page(server, browser):
     browser.get(server)
+    translate_on_page(browser, TEXTS[0], "click")
     assert submit_too_long(browser) == "413 too_long: text 1 has 101 characters; the limit is 100"
+    assert browser.find_element(By.ID, "translation").text == ""  # not the answer to the text before
 
 
 def test_nothing_leaves_loopback_and_the_console_is_clean(server, browser):

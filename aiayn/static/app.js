@@ -80,6 +80,8 @@ async function translate() {
     $("download").disabled = false;
   } catch (e) {
     showError(e.message);
+    // no stale answer under the error: the translation shown is never of another text
+    for (const id of ["translation", "latency"]) $(id).textContent = "";
   } finally {
     button.disabled = false;
   }
