@@ -31,6 +31,7 @@ from aiayn.config import (
 )
 from aiayn.data import STDIN, input_path, read_lines
 from aiayn.distributed import env_rank
+from aiayn.evaluate import TOKENIZERS
 from aiayn.files import check_writable_dir, check_writable_file, write_output
 from aiayn.precision import DEFAULT_DTYPE, resolve_device, resolve_dtype
 
@@ -312,13 +313,33 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         raise ValueError(f"{ref}: all {len(references)} reference lines are blank")
     if len(sources) != len(references):
         raise ValueError(f"{src} has {len(sources)} lines but {ref} has {len(references)}")
-    result = evaluate(load_translator(args, search_config), sources, references, progress=not args.quiet)
+    translator = load_translator(args, search_config)
+    result = evaluate(translator, sources, references, not args.quiet, args.lowercase, args.tokenize)
     hypotheses = result.pop("hypotheses")
-    print(result["bleu_detail"])
-    print(f"chrF2 = {result['chrf']:.2f}  {result['chrf_signature']}")
-    print(json.dumps(result))
+    print_scores(result)
     if args.output is not None:
         write_output(args.output, as_lines(hypotheses))
+
+
+def cmd_score(args: argparse.Namespace) -> None:
+    from aiayn.evaluate import score
+
+    hyp, ref = input_path(args.hypotheses), input_path(args.references)
+    if hyp == ref == STDIN:
+        raise ValueError("HYP and REF cannot both be standard input")
+    hypotheses, references = read_lines(hyp, args.encoding_errors), read_lines(ref, args.encoding_errors)
+    if not references:
+        raise ValueError(f"{ref}: empty, nothing to score")
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{hyp} has {len(hypotheses)} lines but {ref} has {len(references)}")
+    print_scores(score(hypotheses, references, args.lowercase, args.tokenize))
+
+
+def print_scores(result: dict) -> None:
+    """sacreBLEU's line for BLEU and for chrF, each with its signature, then the JSON."""
+    print(f"{result['bleu_detail']}  {result['bleu_signature']}")
+    print(f"chrF2 = {result['chrf']:.2f}  {result['chrf_signature']}")
+    print(json.dumps(result))
 
 
 # --- average, export, plot, demo ------------------------------------------------------------------
@@ -399,6 +420,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- Flags ----------------------------------------------------------------------------------------
+
+
+def scoring_flags(p: argparse.ArgumentParser) -> None:
+    """sacreBLEU's own options, passed as they are (its signature records them)."""
+    p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF (sacreBLEU -lc)")
+    p.add_argument("--tokenize", choices=TOKENIZERS, default="13a", help="sacreBLEU's BLEU tokenizer (-tok)")
 
 
 def encoding_flag(p: argparse.ArgumentParser) -> None:
@@ -522,9 +549,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--src", required=True, help="source lines: a file, a pipe or - (stdin)")
     p.add_argument("--ref", required=True, help="reference lines: a file, a pipe or - (stdin)")
     p.add_argument("--output", help="also write the translations here")
+    scoring_flags(p)
     encoding_flag(p)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("score", help="sacreBLEU and chrF of a file of translations against references")
+    p.add_argument("hypotheses", metavar="HYP", help="translations, a line each: a file, a pipe or -")
+    p.add_argument("references", metavar="REF", help="references, as many lines")
+    scoring_flags(p)
+    encoding_flag(p)
+    p.set_defaults(func=cmd_score)
 
     p = sub.add_parser("average", help="average the last N checkpoints of a run (§6.1)")
     p.add_argument("model", help="run directory (what `aiayn train --out` wrote)")

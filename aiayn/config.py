@@ -93,7 +93,11 @@ class TrainConfig:
     max_tokens: int = 4096  # target tokens per micro-batch (the paper used about 25k per batch)
     accumulate: int = 1  # micro-batches per update; the loss is divided, the schedule steps per update
     lr_scale: float = 1.0  # multiplies the §5.3 formula
-    warmup_steps: int = 4000
+    warmup_steps: int = 4000  # the paper's schedule warms up this long; its peak is the budget schedule's
+    # paper: §5.3 (warmup, then 1/sqrt(step)); budget: linear warmup over warmup_fraction of the budget,
+    # then linear to zero exactly at its end (max_minutes or max_updates); auto: budget when there is one
+    schedule: Literal["auto", "paper", "budget"] = "auto"
+    warmup_fraction: float = 0.1  # the budget schedule's warmup, a fraction of the budget
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
@@ -140,6 +144,17 @@ class TrainConfig:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.dist_timeout_minutes <= 0:
             raise ValueError(f"dist_timeout_minutes must be positive, got {self.dist_timeout_minutes}")
+        if not 0.0 < self.warmup_fraction < 1.0:
+            raise ValueError(f"warmup_fraction must be in (0, 1), got {self.warmup_fraction}")
+        if self.schedule == "budget" and not (self.max_minutes or self.max_updates):
+            raise ValueError("schedule=budget needs a budget: max_minutes or max_updates")
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the learning rate follows the budget (schedule budget, or auto with a budget)."""
+        return self.schedule == "budget" or (
+            self.schedule == "auto" and bool(self.max_minutes or self.max_updates)
+        )
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,22 @@ import sacrebleu
 
 from aiayn.translate import Translator
 
+# sacreBLEU's BLEU tokenizers that need no extra package and no download (ja-mecab, ko-mecab and the
+# spm/flores ones do): what --tokenize offers.
+TOKENIZERS = ("13a", "intl", "none", "zh", "char")
 
-def score(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
-    """Corpus BLEU (cased, detokenized, 13a) and chrF of detokenized text, with sacreBLEU signatures."""
+
+def score(
+    hypotheses: list[str], references: list[str], lowercase: bool = False, tokenize: str = "13a"
+) -> dict[str, Any]:
+    """Corpus BLEU and chrF of detokenized text with their sacreBLEU signatures. The default is
+    sacreBLEU's: cased, 13a; lowercase and tokenize are its own options (chrF takes lowercase only)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
-    bleu = sacrebleu.metrics.BLEU()
-    chrf = sacrebleu.metrics.CHRF()
+    if tokenize not in TOKENIZERS:
+        raise ValueError(f"tokenize must be one of {list(TOKENIZERS)}, got {tokenize!r}")
+    bleu = sacrebleu.metrics.BLEU(lowercase=lowercase, tokenize=tokenize)
+    chrf = sacrebleu.metrics.CHRF(lowercase=lowercase)
     b = bleu.corpus_score(hypotheses, [references])
     c = chrf.corpus_score(hypotheses, [references])
     return {
@@ -28,10 +37,15 @@ def score(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
 
 
 def evaluate(
-    translator: Translator, sources: list[str], references: list[str], progress: bool = False
+    translator: Translator,
+    sources: list[str],
+    references: list[str],
+    progress: bool = False,
+    lowercase: bool = False,
+    tokenize: str = "13a",
 ) -> dict[str, Any]:
-    """Translate `sources` and score against `references`."""
+    """Translate `sources` and score against `references` (score's options)."""
     if len(sources) != len(references):
         raise ValueError(f"{len(sources)} source lines but {len(references)} reference lines")
     hypotheses = translator.translate(sources, progress=progress)
-    return {**score(hypotheses, references), "hypotheses": hypotheses}
+    return {**score(hypotheses, references, lowercase, tokenize), "hypotheses": hypotheses}

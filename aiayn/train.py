@@ -54,10 +54,38 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float) -> tuple
 # --- §5.3 Optimizer and schedule --------------------------------------------------------------------
 
 
+def budget_rate(progress: float, peak: float, warmup_fraction: float) -> float:
+    """The budget schedule (a deviation, docs/deviations.md): linear warmup to `peak` over the first
+    warmup_fraction of the budget, then linear to zero at its end. progress: the budget used, 0 to 1."""
+    progress = min(max(progress, 0.0), 1.0)
+    return peak * min(progress / warmup_fraction, (1.0 - progress) / (1.0 - warmup_fraction))
+
+
+def budget_used(step: int, minutes: float, cfg: TrainConfig) -> float:
+    """How much of the budget an update starting now uses up to its middle (updates), or has used
+    (time); with both limits, whichever ends first."""
+    used = 0.0
+    if cfg.max_updates:
+        used = (step - 0.5) / cfg.max_updates  # update `step`, counted from 1
+    if cfg.max_minutes:
+        used = max(used, minutes / cfg.max_minutes)
+    return used
+
+
 def learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
     """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5), step counted from 1."""
     step = max(step, 1)
     return scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def rate(step: int, minutes: float, d_model: int, cfg: TrainConfig) -> float:
+    """The learning rate of update `step` (from 1): the paper's schedule, or the budget's, whose peak is
+    the paper's (at step warmup_steps)."""
+    paper = learning_rate(step, d_model, cfg.warmup_steps, cfg.lr_scale)
+    if not cfg.budgeted:
+        return paper
+    peak = learning_rate(cfg.warmup_steps, d_model, cfg.warmup_steps, cfg.lr_scale)
+    return budget_rate(budget_used(step, minutes, cfg), peak, cfg.warmup_fraction)
 
 
 def make_optimizer(model: Transformer, config: TrainConfig) -> torch.optim.Optimizer:
@@ -121,7 +149,7 @@ def train(
                     if not cfg.valid_every:
                         stop = validate_and_save(run, validation, model, optimizer, state)
                 else:
-                    lr = learning_rate(state.step + 1, model_config.d_model, cfg.warmup_steps, cfg.lr_scale)
+                    lr = rate(state.step + 1, run.minutes(), model_config.d_model, cfg)
                     with out_of_memory_is_a_batch_size_error(cfg, state.step + 1):
                         batches, seeds, dummy = pairs.share(group, ranks, cfg.seed, state.step + 1, device)
                         step = Step(lr, seeds, dummy, ranks, scaler)

@@ -108,7 +108,32 @@ def test_evaluate_prints_json_equal_to_sacrebleu_on_the_translations(workdir):
     assert result["chrf"] == sacrebleu.corpus_chrf(hyps, [refs]).score
     assert "tok:13a" in result["bleu_signature"] and "nc:6" in result["chrf_signature"]
     assert result["sentences"] == len(refs)
-    assert stdout.startswith("BLEU = ")
+    assert (
+        stdout.splitlines()[0] == f"{result['bleu_detail']}  {result['bleu_signature']}"
+    )  # number and signature
+
+    # the same hypotheses scored without a model, and sacreBLEU's options, through both commands
+    options = ["--lowercase", "--tokenize", "intl"]
+    code, stdout, stderr = run(["score", root / "hyp2.xx", root / "test.xx", *options])
+    assert code == 0, stderr
+    scored = json.loads(stdout.splitlines()[-1])
+    bleu = sacrebleu.metrics.BLEU(lowercase=True, tokenize="intl")
+    assert scored["bleu"] == bleu.corpus_score(hyps, [refs]).score
+    assert scored["bleu_signature"] == str(bleu.get_signature())
+    assert scored["chrf"] == sacrebleu.metrics.CHRF(lowercase=True).corpus_score(hyps, [refs]).score
+    code, stdout, stderr = run(
+        ["evaluate", model, "--src", root / "test.en", "--ref", root / "test.xx", *options, "--quiet"]
+    )
+    assert code == 0, stderr
+    evaluated = json.loads(stdout.splitlines()[-1])
+    assert evaluated["bleu"] == scored["bleu"] and evaluated["bleu_signature"] == scored["bleu_signature"]
+
+
+def test_score_refuses_files_of_other_lengths(workdir):
+    root, _, _, _ = workdir
+    (root / "short.xx").write_text("one line\n")
+    code, _, stderr = run(["score", root / "short.xx", root / "test.xx"])
+    assert code == 2 and f"{root / 'short.xx'} has 1 lines but {root / 'test.xx'} has" in stderr
 
 
 def test_average_then_translate(workdir):

@@ -45,6 +45,29 @@ def test_signatures_name_13a_detokenized_mixed_case():
     assert "nc:6" in result["chrf_signature"] and "nw:0" in result["chrf_signature"]  # chrF, not chrF++
 
 
+@pytest.mark.parametrize("lowercase", [False, True])
+@pytest.mark.parametrize("tokenize", ["13a", "intl", "none", "char"])
+def test_the_options_are_sacrebleus_own(lowercase, tokenize):
+    """--lowercase and --tokenize give what sacreBLEU gives with the same options, and its signature."""
+    result = score(HYPS, REFS, lowercase=lowercase, tokenize=tokenize)
+    bleu = sacrebleu.metrics.BLEU(lowercase=lowercase, tokenize=tokenize)
+    chrf = sacrebleu.metrics.CHRF(lowercase=lowercase)
+    assert result["bleu"] == bleu.corpus_score(HYPS, [REFS]).score
+    assert result["chrf"] == chrf.corpus_score(HYPS, [REFS]).score
+    assert result["bleu_signature"] == str(bleu.get_signature())
+    assert result["chrf_signature"] == str(chrf.get_signature())
+    assert f"tok:{tokenize}" in result["bleu_signature"]
+    assert ("case:lc" if lowercase else "case:mixed") in result["bleu_signature"]
+
+
+def test_lowercase_forgives_case_only():
+    hyp, ref = ["the cat sat on the mat"], ["The cat sat on the mat"]
+    assert score(hyp, ref, lowercase=True)["bleu"] == pytest.approx(100)
+    assert score(hyp, ref)["bleu"] < 100
+    with pytest.raises(ValueError, match="tokenize must be one of"):
+        score(["a"], ["a"], tokenize="ja-mecab")
+
+
 def test_bleu_by_hand():
     # Every n-gram of "a b c d" is in the reference, so BLEU is the brevity penalty alone: exp(1 - 5/4).
     assert score(["a b c d"], ["a b c d e"])["bleu"] == pytest.approx(100 * math.exp(1 - 5 / 4))

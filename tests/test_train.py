@@ -15,7 +15,7 @@ from aiayn.data import Corpus, collate, make_batches
 from aiayn.model import Transformer
 from aiayn.synthetic import generate
 from aiayn.tokenizer import PAD_ID, Tokenizer
-from aiayn.train import label_smoothed_loss, learning_rate, make_optimizer
+from aiayn.train import label_smoothed_loss, learning_rate, make_optimizer, rate
 from aiayn.translate import Translator
 
 CPU = torch.device("cpu")
@@ -104,6 +104,37 @@ def test_learning_rate_rises_linearly_peaks_at_warmup_then_decays_as_inverse_sqr
     assert learning_rate(0, d_model, warmup) > 0  # step 0 counts as step 1, never a zero or error
 
 
+def test_without_a_budget_the_rate_is_the_papers():
+    cfg = TrainConfig(warmup_steps=400, lr_scale=2.0, max_epochs=3)  # epochs are not a budget
+    for step in (1, 10, 399, 400, 401, 5000):
+        assert rate(step, 123.0, 256, cfg) == learning_rate(step, 256, 400, 2.0)
+    paper = TrainConfig(max_updates=100, schedule="paper")
+    assert rate(5, 0.0, 256, paper) == learning_rate(5, 256, 4000)
+
+
+def test_the_budget_schedule_warms_up_then_reaches_zero_at_the_budgets_end():
+    peak = 256**-0.5 * 400**-0.5  # the paper's rate at step warmup_steps
+    cfg = TrainConfig(max_updates=200, warmup_steps=400)  # warmup_fraction 0.1: 20 updates
+    rates = [rate(step, 0.0, 256, cfg) for step in range(1, 201)]
+    for step, r in zip(range(1, 201), rates):
+        used = (step - 0.5) / 200  # the middle of the update
+        assert r == pytest.approx(peak * min(used / 0.1, (1 - used) / 0.9), rel=1e-12)
+    assert max(rates) <= peak and rates.index(max(rates)) + 1 in (20, 21)
+    assert rates[-1] == pytest.approx(peak * (0.5 / 200) / 0.9)  # half an update before zero
+    assert rates[0] > 0  # the first update learns
+    # a time budget: measured in minutes, whatever the updates
+    timed = TrainConfig(max_minutes=30.0, warmup_steps=400)
+    assert rate(7, 3.0, 256, timed) == pytest.approx(peak)  # 10% of 30 minutes: the peak
+    assert rate(7, 16.5, 256, timed) == pytest.approx(peak * 0.5)  # halfway down
+    assert rate(99999, 30.0, 256, timed) == 0.0 and rate(1, 45.0, 256, timed) == 0.0
+    # both limits: whichever is nearer its end
+    both = TrainConfig(max_minutes=30.0, max_updates=200, warmup_steps=400)
+    assert rate(100, 27.0, 256, both) == pytest.approx(rate(1, 27.0, 256, timed))
+    assert rate(190, 3.0, 256, both) == pytest.approx(rates[189])
+    with pytest.raises(ValueError, match="schedule=budget needs a budget"):
+        TrainConfig(schedule="budget")
+
+
 def test_optimizer_is_adam_with_the_papers_hyperparameters():
     model = Transformer(preset("tiny", vocab_size=20, d_model=16, d_ff=32, n_heads=2))
     optimizer = make_optimizer(model, TrainConfig())
@@ -172,7 +203,13 @@ def test_accumulated_update_equals_one_big_batch(data, tmp_path, monkeypatch):
     k, max_tokens, updates = 3, 120, 2
     model_config = small_model(tokenizer, dropout=0.0)
     cfg = TrainConfig(
-        accumulate=k, max_tokens=max_tokens, max_updates=updates, dtype="fp32", warmup_steps=5, lr_scale=3.0
+        accumulate=k,
+        max_tokens=max_tokens,
+        max_updates=updates,
+        dtype="fp32",
+        warmup_steps=5,
+        lr_scale=3.0,
+        schedule="paper",
     )
     recorders: list[RecordingSGD] = []
 
@@ -246,19 +283,26 @@ def test_runs_several_epochs(data, uninterrupted):
     assert len(epochs) >= 2  # the resume tests below cross an epoch boundary
 
 
+def interrupt_at(step: int):
+    """stop_reason as if Ctrl-C came during update `step`: the budget (and so the schedule) unchanged."""
+    real = train_module.stop_reason
+
+    def stop_reason(state, cfg, run, signals):
+        return train_module.Stop("signal", "SIGINT") if state.step == step else real(state, cfg, run, signals)
+
+    return stop_reason
+
+
 @pytest.mark.parametrize("stop_at", [8, 6])  # on a checkpoint (8) and between checkpoints (6)
-def test_resume_reaches_the_same_weights_bit_for_bit(data, uninterrupted, tmp_path, stop_at):
+def test_resume_reaches_the_same_weights_bit_for_bit(data, uninterrupted, tmp_path, stop_at, monkeypatch):
+    """Under the budget schedule (max_updates=12 is a budget), interrupted by a signal and resumed."""
     tokenizer, corpus = data
     model_config = small_model(tokenizer, dropout=0.1)
     out = tmp_path / "run"
-    first = run_train(
-        out,
-        model_config,
-        TrainConfig(max_updates=stop_at, **RESUME_CONFIG),
-        tokenizer,
-        corpus,
-    )
-    assert first.step == stop_at
+    with monkeypatch.context() as patch:
+        patch.setattr(train_module, "stop_reason", interrupt_at(stop_at))
+        first = run_train(out, model_config, TrainConfig(max_updates=12, **RESUME_CONFIG), tokenizer, corpus)
+    assert first.step == stop_at and first.stop.signal == "SIGINT"
     assert checkpoint.list_checkpoints(out)[-1].name == f"step_{stop_at:08d}"
     second = run_train(
         out,
@@ -346,7 +390,9 @@ def test_metrics_jsonl_has_loss_and_validation_records(uninterrupted):
     losses = [r for r in records if "loss" in r]
     assert [r["step"] for r in losses] == [10]  # every 10 updates
     assert math.isfinite(losses[0]["loss"]) and 0 < losses[0]["loss"] < math.log(300) + 1
-    assert losses[0]["lr"] == pytest.approx(learning_rate(10, 32, 4, 2.0))
+    # max_updates is a budget: the budget schedule, whose peak is the paper's at warmup_steps (4)
+    used = (10 - 0.5) / 12
+    assert losses[0]["lr"] == pytest.approx(learning_rate(4, 32, 4, 2.0) * (1 - used) / 0.9)
     valid = [r for r in records if "valid_bleu" in r]
     assert [r["step"] for r in valid] == [4, 8, 12]
     for r in valid:
