@@ -189,6 +189,11 @@ def list_checkpoints(out: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
 
 
+def step_of(checkpoint: Path) -> int:
+    """The update a checkpoint directory (step_N) was saved at."""
+    return int(checkpoint.name.removeprefix("step_"))
+
+
 def checkpoint_path(out: str | Path, step: int) -> Path:
     return Path(out) / CHECKPOINTS / f"step_{step:08d}"
 

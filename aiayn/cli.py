@@ -110,6 +110,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(json.dumps(result.record()))
     bleu = f"validation BLEU {result.best_bleu:.2f}" if result.best_bleu >= 0 else "no validation data"
     held = f"the model of update {result.model_step} ({bleu if result.model_validated else 'not validated'})"
+    final = result.final
+    if final is not None:  # with the real search; the average of the last checkpoints when it won
+        beam = f"validation BLEU {final.bleu:.2f} with beam {final.search.beam_size}"
+        held = (f"the average of the checkpoints of updates {list(final.average_steps)} ({beam})"
+                if final.kept == "average" else f"{held[:-1]}; {beam})")  # fmt: skip
     if result.stop.signal is None:
         say(f"aiayn: {args.out} holds {held}")
         return 0

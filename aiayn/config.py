@@ -98,6 +98,10 @@ class TrainConfig:
     # then linear to zero exactly at its end (max_minutes or max_updates); auto: budget when there is one
     schedule: Literal["auto", "paper", "budget"] = "auto"
     warmup_fraction: float = 0.1  # the budget schedule's warmup, a fraction of the budget
+    # §6.1 averaging in a budgeted run: checkpoints at regular intervals over the last average_fraction of
+    # the budget; the final model is their average if it validates better than the best single model
+    average_last: int = 5  # 0 or 1: no averaging
+    average_fraction: float = 0.2
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
@@ -144,10 +148,18 @@ class TrainConfig:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.dist_timeout_minutes <= 0:
             raise ValueError(f"dist_timeout_minutes must be positive, got {self.dist_timeout_minutes}")
-        if not 0.0 < self.warmup_fraction < 1.0:
-            raise ValueError(f"warmup_fraction must be in (0, 1), got {self.warmup_fraction}")
+        for name in ("warmup_fraction", "average_fraction"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}")
+        if self.average_last < 0:
+            raise ValueError(f"average_last must not be negative, got {self.average_last}")
         if self.schedule == "budget" and not (self.max_minutes or self.max_updates):
             raise ValueError("schedule=budget needs a budget: max_minutes or max_updates")
+
+    @property
+    def averaged(self) -> int:
+        """How many checkpoints the end of the run averages (0: none)."""
+        return self.average_last if self.budgeted and self.average_last >= 2 else 0
 
     @property
     def budgeted(self) -> bool:

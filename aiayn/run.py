@@ -54,6 +54,8 @@ class Progress:
     best_step: int = -1  # the update whose weights OUT holds as its model; -1: none yet
     validated_step: int = -1  # the last update validated
     metrics_bytes: int = -1  # the length of metrics.jsonl when this was saved; -1: unknown
+    snapshots: int = 0  # checkpoints taken for averaging (§6.1) in the last part of a budget
+    average_from: int = -1  # the update of the first of them
 
 
 class Run:
@@ -350,7 +352,8 @@ class Run:
             self.out, state.step, model, self.tokenizer, self.train_config, payload
         )
         best = checkpoint.checkpoint_path(self.out, state.best_step) if state.best_step >= 0 else None
-        checkpoint.prune_checkpoints(self.out, self.train_config.keep_last, keep=best)
+        kept = max(self.train_config.keep_last, self.train_config.averaged)  # what the end averages stays
+        checkpoint.prune_checkpoints(self.out, kept, keep=best)
         return path
 
     def save_model(self, model: Transformer) -> None:

@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.checkpoint import checkpoint_path
+from aiayn.checkpoint import (
+    average_checkpoints,
+    checkpoint_path,
+    list_checkpoints,
+    load_model_config,
+    load_state_dict_tied,
+    step_of,
+)
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig
 from aiayn.data import batch_plan, collate, filter_lengths, make_batches
 from aiayn.distributed import ONE, Ranks
@@ -159,6 +166,7 @@ def train(
                         continue
                     state.step += 1  # the schedule steps once per update, never per micro-batch
                     run.update(state, loss / n_tokens, lr, n_tokens)
+                    snapshot_for_averaging(run, model, optimizer, state)
                     if cfg.valid_every and state.step % cfg.valid_every == 0:
                         stop = validate_and_save(run, validation, model, optimizer, state)
                 if stop := agree(ranks, stop or stop_reason(state, cfg, run, signals), device):
@@ -168,7 +176,8 @@ def train(
             save_on_signal(run, model, optimizer, state)
         elif state.validated_step != state.step:  # every other stop ends on a validated model
             validate_and_save(run, validation, model, optimizer, state, scheduled=False)
-    return finish(run, state, stop)
+    final = final_validation(run, validation, state, device) if stop.signal is None else None
+    return finish(run, state, stop, final)
 
 
 @dataclass(frozen=True)
@@ -180,6 +189,35 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class Final:
+    """The validation a run ends with, with the real search: the best single model by (greedy)
+    validation BLEU, and the average of the last checkpoints of a budgeted run; OUT keeps the better."""
+
+    search: SearchConfig
+    single_bleu: float  # the best single model, with `search`
+    average_steps: tuple[int, ...] = ()  # the updates of the averaged checkpoints; () = no average
+    average_bleu: float | None = None
+
+    @property
+    def kept(self) -> Literal["single", "average"]:
+        better = self.average_bleu is not None and self.average_bleu > self.single_bleu
+        return "average" if better else "single"
+
+    @property
+    def bleu(self) -> float:
+        return self.average_bleu if self.kept == "average" else self.single_bleu
+
+    def record(self) -> dict[str, Any]:
+        search = {"beam_size": self.search.beam_size, "alpha": self.search.alpha,
+                  "length_penalty": self.search.length_penalty}  # fmt: skip
+        average = (
+            {"steps": list(self.average_steps), "bleu": self.average_bleu} if self.average_steps else None
+        )
+        return {"event": "final", "search": search, "single_bleu": self.single_bleu, "average": average,
+                "kept": self.kept}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Result:
     stop: Stop
     step: int  # updates done
@@ -187,18 +225,65 @@ class Result:
     model_step: int  # the update whose weights OUT holds as its model
     model_validated: bool  # False: a signal stopped the run before its first validation
     checkpoint: Path | None  # the last checkpoint, to resume from (None on ranks other than 0)
+    final: Final | None = None  # the end-of-run validation with the real search (rank 0, validation data)
 
     def record(self) -> dict[str, Any]:
         reason = self.stop.reason if self.stop.signal is None else f"signal {self.stop.signal}"
         return {"event": "stop", "reason": reason, "step": self.step, "best_bleu": self.best_bleu}
 
 
-def finish(run: Run, state: Progress, stop: Stop) -> Result:
+def finish(run: Run, state: Progress, stop: Stop, final: Final | None = None) -> Result:
     validated = state.best_step <= state.validated_step
     last = run.last_checkpoint() if run.main else None
-    result = Result(stop, state.step, state.best_bleu, state.best_step, validated, last)
+    result = Result(stop, state.step, state.best_bleu, state.best_step, validated, last, final)
     run.log(result.record())
     return result
+
+
+# --- §6.1 averaging and the final validation -------------------------------------------------------
+
+
+def snapshot_for_averaging(
+    run: Run, model: Transformer, optimizer: torch.optim.Optimizer, state: Progress
+) -> None:
+    """In a budgeted run, a checkpoint at each of average_last - 1 points spaced evenly over the last
+    average_fraction of the budget (the last of the N is the checkpoint the run ends with)."""
+    cfg, n = run.train_config, run.train_config.averaged
+    if n < 2 or state.snapshots >= n - 1:
+        return
+    due = 1.0 - cfg.average_fraction * (n - 1 - state.snapshots) / n
+    if budget_used(state.step + 0.5, run.minutes(), cfg) >= due:  # the budget used once this update is done
+        state.snapshots += 1
+        state.average_from = state.step if state.average_from < 0 else state.average_from
+        run.save_checkpoint(model, optimizer, state)
+
+
+def final_validation(run: Run, validation: Validation, state: Progress, device: torch.device) -> Final | None:
+    """Validate OUT's model with the search translate uses (beam 4, alpha 0.6, §6.1) and, in a budgeted
+    run, the average of its last checkpoints; OUT keeps the average only if it scores higher."""
+    if not run.main or not validation.data.valid_src:
+        return None
+    search, cfg = SearchConfig(), run.train_config
+    single = validation.bleu(Translator.load(run.out, search, dtype=cfg.dtype, device=device))
+    chosen = [
+        c for c in list_checkpoints(run.out) if state.average_from >= 0 and step_of(c) >= state.average_from
+    ]
+    chosen = chosen[-cfg.averaged :] if cfg.averaged else []
+    final = Final(search, single)
+    if len(chosen) >= 2:
+        model = Transformer(load_model_config(chosen[0]))
+        load_state_dict_tied(model, average_checkpoints(chosen))
+        average = Translator(model.to(device).eval(), run.tokenizer, search, cfg.dtype)
+        final = Final(search, single, tuple(step_of(c) for c in chosen), validation.bleu(average))
+        if final.kept == "average":
+            run.save_model(model)
+    run.log(final.record())
+    average = (
+        f", the average of updates {list(final.average_steps)} {final.average_bleu:.2f}" if chosen[1:] else ""
+    )
+    run.say(f"final validation, beam {search.beam_size}: best single model {single:.2f}{average}; "
+            f"OUT holds the {final.kept}")  # fmt: skip
+    return final
 
 
 REASONS = ("max_epochs", "max_updates", "max_minutes", "patience")
@@ -426,6 +511,11 @@ class Validation:
     data: Prepared
     cfg: TrainConfig
     device: torch.device
+
+    def bleu(self, translator: Translator) -> float:
+        """sacreBLEU of a translator's output on the validation text (detokenized, 13a)."""
+        hypotheses = translator.translate(self.data.valid_src)
+        return sacrebleu.corpus_bleu(hypotheses, [self.data.valid_tgt]).score
 
     @torch.no_grad()
     def __call__(self, model: Transformer) -> dict[str, Any]:

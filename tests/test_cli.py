@@ -56,7 +56,9 @@ def test_train_writes_a_model_directory(workdir):
     assert result["event"] == "stop" and result["reason"] == "max_updates" and result["step"] == 20
     for name in ("config.json", "model.safetensors", "tokenizer.json", "train.json", "metrics.jsonl"):
         assert (model / name).is_file(), name
-    assert [p.name for p in checkpoint.list_checkpoints(model)] == ["step_00000010", "step_00000020"]
+    # validations at 10 and 20; for the average of the last 5 (a budgeted run), 4 more over its last 20%
+    steps = [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(model)]
+    assert steps == [10, 17, 18, 19, 20]
     config = json.loads((model / "config.json").read_text())
     assert config["d_model"] == 64 and config["src_vocab_size"] == 300  # the tiny preset, --vocab-size
     assert json.loads((model / "train.json").read_text())["valid_every"] == 10  # --set reached TrainConfig
@@ -148,7 +150,7 @@ def test_average_then_translate(workdir):
     got = safetensors.torch.load_file(str(averaged / checkpoint.WEIGHTS))
     assert got.keys() == steps[0].keys()
     for name, tensor in got.items():
-        torch.testing.assert_close(tensor, (steps[0][name] + steps[1][name]) / 2, rtol=0, atol=1e-6)
+        torch.testing.assert_close(tensor, (steps[-2][name] + steps[-1][name]) / 2, rtol=0, atol=1e-6)
 
     code, _, stderr = run(
         ["translate", averaged, "--input", root / "test.en", "--output", root / "avg.xx", "--quiet"]
@@ -156,8 +158,8 @@ def test_average_then_translate(workdir):
     assert code == 0, stderr
     assert len((root / "avg.xx").read_text().split("\n")) - 1 == n_lines
 
-    code, _, stderr = run(["average", model, "--last", 3, "--out", root / "three"])
-    assert code == 2 and "found 2" in stderr
+    code, _, stderr = run(["average", model, "--last", 6, "--out", root / "six"])
+    assert code == 2 and "found 5" in stderr
 
 
 def test_translate_n_best_from_stdin(workdir, monkeypatch, capsys):

@@ -125,6 +125,9 @@ def corpus(tmp_path_factory) -> Path:
     return root
 
 
+PAPER = ("--set", "schedule=paper")
+
+
 def flags(corpus: Path, *extra) -> list[str]:
     return [
         "--train", corpus / "c", "--valid", corpus / "v", "--src-lang", "en", "--tgt-lang", "xx",
@@ -204,12 +207,16 @@ def test_a_corpus_of_one_batch_runs_as_one_process(corpus, tmp_path):
 
 
 def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_bit_for_bit(corpus, tmp_path):
-    # The uninterrupted run, through `aiayn train --nproc 2` (which runs torchrun itself).
-    reference = aiayn("train", *flags(corpus, "--out", tmp_path / "ref", "--max-updates", 12, "--nproc", 2))
+    # The uninterrupted run, through `aiayn train --nproc 2` (which runs torchrun itself). The paper's
+    # schedule: the interrupted run is given a budget it cannot reach (100,000 updates), and a budget
+    # schedule would follow it; resuming one under its own budget is tested in test_train.py.
+    reference = aiayn(
+        "train", *flags(corpus, "--out", tmp_path / "ref", "--max-updates", 12, "--nproc", 2, *PAPER)
+    )
     assert reference.returncode == 0, reference.stderr
     out, logs = tmp_path / "run", tmp_path / "logs"
     proc = subprocess.Popen(
-        torchrun(logs, "train", *flags(corpus, "--out", out, "--max-updates", 100_000)),
+        torchrun(logs, "train", *flags(corpus, "--out", out, "--max-updates", 100_000, *PAPER)),
         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     errors = ""
@@ -231,13 +238,15 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_
     assert checkpoint.load_state(last)["progress"]["step"] == stop["step"]  # resumable, complete
     shutil.copytree(out, tmp_path / "copy")
     resumed = subprocess.run(
-        torchrun(tmp_path / "logs2", "train", *flags(corpus, "--out", out, "--max-updates", 12, "--resume")),
+        torchrun(tmp_path / "logs2", "train", *flags(corpus, "--out", out, "--max-updates", 12, "--resume", *PAPER)),
         env=ENV, capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert weights(out, 12) == weights(tmp_path / "ref", 12)
     # One process may take the run on with the same micro-batches per update (2 ranks x 1 = 1 x 2).
-    args = flags(corpus, "--out", tmp_path / "copy", "--max-updates", 12, "--resume", "--set", "accumulate=2")
+    args = flags(
+        corpus, "--out", tmp_path / "copy", "--max-updates", 12, "--resume", "--set", "accumulate=2", *PAPER
+    )
     one = aiayn("train", *args)
     assert one.returncode == 0, one.stderr
     assert weights(tmp_path / "copy", 12) == weights(tmp_path / "ref", 12)

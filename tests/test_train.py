@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import sacrebleu
 import torch
 from conftest import run_train
 
@@ -256,8 +257,15 @@ def test_accumulated_update_equals_one_big_batch(data, tmp_path, monkeypatch):
 
 # --- Resume, metrics, pruning ------------------------------------------------------------------------
 
-RESUME_CONFIG = dict(
-    max_tokens=200, dtype="fp32", warmup_steps=4, lr_scale=2.0, valid_every=4, keep_last=2, seed=3
+RESUME_CONFIG = dict(  # max_updates=12 makes a budget: its schedule, and averaging of 2 (at 11 and 12)
+    max_tokens=200,
+    dtype="fp32",
+    warmup_steps=4,
+    lr_scale=2.0,
+    valid_every=4,
+    keep_last=2,
+    seed=3,
+    average_last=2,
 )
 
 
@@ -410,11 +418,42 @@ def test_metrics_jsonl_has_loss_and_validation_records(uninterrupted):
 def test_keep_last_prunes_old_checkpoints_but_the_best_and_out_stays_loadable(data, uninterrupted):
     out, result = uninterrupted
     best = {f"step_{result.model_step:08d}"}  # OUT's model: its checkpoint is never pruned
-    assert {p.name for p in checkpoint.list_checkpoints(out)} == {"step_00000008", "step_00000012"} | best
+    # validations at 4, 8, 12 and the averaging snapshot at 11 (0.9 of the budget): the last 2 stay
+    assert {p.name for p in checkpoint.list_checkpoints(out)} == {"step_00000011", "step_00000012"} | best
     assert not [p for p in (out / checkpoint.CHECKPOINTS).iterdir() if p.name.startswith(".")]
     tokenizer, corpus = data
     translator = Translator.load(out, device="cpu")  # OUT holds the best model by validation BLEU
     assert len(translator.translate(corpus.valid_src, beam_size=1)) == len(corpus.valid_src)
+
+
+def test_the_run_ends_validated_with_beam_search_and_keeps_the_average_only_if_better(data, uninterrupted):
+    out, result = uninterrupted
+    tokenizer, corpus = data
+    (final,) = [r for r in read_metrics(out) if r.get("event") == "final"]
+    assert final["search"] == {"beam_size": 4, "alpha": 0.6, "length_penalty": "gnmt"}  # translate's default
+    assert final["average"]["steps"] == [11, 12] and final["kept"] in ("single", "average")
+
+    def beam_bleu(directory) -> float:
+        hyps = Translator.load(directory, device="cpu").translate(corpus.valid_src)
+        return sacrebleu.corpus_bleu(hyps, [corpus.valid_tgt]).score
+
+    best_single = checkpoint.checkpoint_path(out, result.model_step)
+    assert final["single_bleu"] == pytest.approx(beam_bleu(best_single))
+    mean = {
+        name: (a + b) / 2
+        for (name, a), b in zip(weights(checkpoint.checkpoint_path(out, 11)).items(),
+                                weights(checkpoint.checkpoint_path(out, 12)).values())
+    }  # fmt: skip
+    held = weights(out)
+    expected = mean if final["average"]["bleu"] > final["single_bleu"] else weights(best_single)
+    assert final["kept"] == ("average" if expected is mean else "single")
+    for name in held:
+        assert torch.allclose(held[name], expected[name], atol=1e-6), name
+    if final["kept"] == "average":
+        assert final["average"]["bleu"] == pytest.approx(beam_bleu(out))
+    assert result.final is not None and result.final.bleu == max(
+        final["single_bleu"], final["average"]["bleu"]
+    )
 
 
 def test_train_refuses_a_corpus_with_nothing_short_enough(data, tmp_path):
