@@ -177,6 +177,7 @@ def train(
         elif state.validated_step != state.step:  # every other stop ends on a validated model
             validate_and_save(run, validation, model, optimizer, state, scheduled=False)
     final = final_validation(run, validation, state, device) if stop.signal is None else None
+    ranks.max([0], device)  # the other ranks wait for rank 0's final validation before they leave
     return finish(run, state, stop, final)
 
 
