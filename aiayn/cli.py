@@ -20,13 +20,16 @@ from typing import Any
 import yaml
 
 from aiayn.config import (
+    LOW_RESOURCE_PAIRS,
     PRESETS,
     ModelConfig,
     SearchConfig,
     TrainConfig,
     from_dict,
     parse_overrides,
+    preset_for_corpus,
     preset_for_vocabulary,
+    recipe,
     split_overrides,
 )
 from aiayn.data import STDIN, input_path, read_lines
@@ -75,13 +78,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return relaunch_under_torchrun(args)
     values = config_file(args.config) | parse_overrides((ModelConfig, TrainConfig), args.set)
     model_overrides, train_overrides = split_overrides(values, where=args.config or "--set")
-    limits = {"max_minutes": args.max_minutes, "max_epochs": args.max_epochs, "max_updates": args.max_updates}
-    flags = {**limits, "max_tokens": args.max_tokens}
-    cfg = from_dict(TrainConfig, {k: v for k, v in flags.items() if v is not None} | train_overrides)
     # An unknown preset, a bad override or an impossible model fails now, not after preparing the data
-    # (the vocabulary is at most --vocab-size).
-    preset_for_vocabulary(args.preset, args.vocab_size, args.vocab_size, True, **model_overrides)
-    tokenizer_options(args)
+    # (the vocabulary is at most --vocab-size). Without --preset the corpus decides it, once prepared.
+    cfg = train_config(args, args.preset or "small", train_overrides)
+    vocab_size = tokenizer_options(args).vocab_size
+    vocab_size = recipe("small").vocab_size if vocab_size is None else vocab_size
+    preset_for_vocabulary(args.preset or "small", vocab_size, vocab_size, True, **model_overrides)
     resolve_dtype(cfg.dtype, resolve_device(args.device))  # an unknown device, CUDA where there is none,
     # or fp16 on the CPU fails now
     ranks = Ranks.start(cfg.dist_backend, args.device, cfg.dist_timeout_minutes)
@@ -98,9 +100,16 @@ def cmd_train(args: argparse.Namespace) -> int:
                 ranks.share(str(data.directory))
             ranks.barrier()
             tokenizer = data.tokenizer
+            name = args.preset or preset_for_corpus(len(data.src))
+            if args.preset is None and ranks.main:
+                say(
+                    f"aiayn: no --preset: {len(data.src):,} training pairs, so --preset {name} (README, Presets)"
+                )
+            cfg = train_config(args, name, train_overrides)
             sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
-            model_config = preset_for_vocabulary(args.preset, *sizes, **model_overrides)
-        settings = {} if args.data else {"tokenizer": f"{args.tokenizer}, vocab_size {args.vocab_size}, " + (
+            model_config = preset_for_vocabulary(name, *sizes, **model_overrides)
+        vocab = tokenizer_options(args).vocab_size or recipe(preset_for_corpus(len(data.src))).vocab_size
+        settings = {} if args.data else {"tokenizer": f"{args.tokenizer}, vocab_size {vocab}, " + (
             "separate" if args.separate_vocab else "joint")}  # fmt: skip
         result = train(run, model_config, cfg, data, device, settings, ranks)
     finally:
@@ -125,6 +134,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{args.out} holds {held}. Continue with the same command plus --resume"
     )
     return 128 + signal.Signals[result.stop.signal].value
+
+
+def train_config(args: argparse.Namespace, preset_name: str, overrides: dict[str, Any]) -> TrainConfig:
+    """The preset's training settings, then the flags, then --set and --config: the user's win."""
+    limits = {"max_minutes": args.max_minutes, "max_epochs": args.max_epochs, "max_updates": args.max_updates}
+    flags = {k: v for k, v in {**limits, "max_tokens": args.max_tokens}.items() if v is not None}
+    return from_dict(TrainConfig, dict(recipe(preset_name).train) | flags | overrides)
 
 
 def training_data(args: argparse.Namespace, run, cfg: TrainConfig):
@@ -189,10 +205,15 @@ def tokenizer_options(args: argparse.Namespace):
     from aiayn.prepare import TokenizerOptions
     from aiayn.tokenizer import Tokenizer
 
-    Tokenizer.check_options(args.vocab_size, args.tokenizer)
+    preset_name = getattr(args, "preset", None)
+    vocab_size = args.vocab_size
+    if vocab_size is None and preset_name is not None:
+        vocab_size = recipe(preset_name).vocab_size
+    Tokenizer.check_options(recipe("small").vocab_size if vocab_size is None else vocab_size, args.tokenizer)
     if args.tokenizer_sample < 1:
         raise ValueError(f"--tokenizer-sample must be at least 1, got {args.tokenizer_sample}")
-    return TokenizerOptions(args.vocab_size, args.tokenizer, not args.separate_vocab, args.tokenizer_sample)
+    # None: prepare sizes the vocabulary for the corpus (config.preset_for_corpus's recipe)
+    return TokenizerOptions(vocab_size, args.tokenizer, not args.separate_vocab, args.tokenizer_sample)
 
 
 def relaunch_under_torchrun(args: argparse.Namespace) -> int:
@@ -478,7 +499,11 @@ def corpus_flags(p: argparse.ArgumentParser, data_forms: str, required: bool = T
 
 
 def tokenizer_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        help="default: the preset's (8,000; low-resource 6,000); without --preset, by corpus size",
+    )
     p.add_argument("--tokenizer", choices=["bpe", "word"], default="bpe")
     p.add_argument("--separate-vocab", action="store_true", help="one vocabulary per language")
     p.add_argument(
@@ -514,7 +539,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc", type=int, default=1, help="train with N processes on this machine (runs torchrun for you)"
     )
-    p.add_argument("--preset", default="small", help=", ".join(PRESETS))
+    p.add_argument(
+        "--preset",
+        help=f"{', '.join(PRESETS)}; default: low-resource up to {LOW_RESOURCE_PAIRS:,} training pairs, else small",
+    )
     p.add_argument("--max-minutes", type=float)
     p.add_argument("--max-epochs", type=int)
     p.add_argument("--max-updates", type=int)

@@ -98,8 +98,8 @@ class TrainConfig:
     # then linear to zero exactly at its end (max_minutes or max_updates); auto: budget when there is one
     schedule: Literal["auto", "paper", "budget"] = "auto"
     warmup_fraction: float = 0.1  # the budget schedule's warmup, a fraction of the budget
-    # §6.1 averaging in a budgeted run: checkpoints at regular intervals over the last average_fraction of
-    # the budget; the final model is their average if it validates better than the best single model
+    # §6.1 averaging in a run with a budget: checkpoints at regular intervals over the last average_fraction
+    # of the budget; the final model is their average if it validates better than the best single model
     average_last: int = 5  # 0 or 1: no averaging
     average_fraction: float = 0.2
     adam_beta1: float = 0.9
@@ -158,8 +158,10 @@ class TrainConfig:
 
     @property
     def averaged(self) -> int:
-        """How many checkpoints the end of the run averages (0: none)."""
-        return self.average_last if self.budgeted and self.average_last >= 2 else 0
+        """How many checkpoints the end of the run averages (0: none): any run with a budget, whatever its
+        schedule (where the last part of a run is needs only its end)."""
+        has_budget = bool(self.max_minutes or self.max_updates)
+        return self.average_last if has_budget and self.average_last >= 2 else 0
 
     @property
     def budgeted(self) -> bool:
@@ -248,8 +250,43 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         "small": _model_preset(256, 1024, 4, 3, 0.1),  # CPU training (the speed issue's `small`)
         "base": _model_preset(512, 2048, 8, 6, 0.1),  # Table 3, base: 65M parameters
         "big": _model_preset(1024, 4096, 16, 6, 0.3),  # Table 3, big: 213M parameters
+        "low-resource": _model_preset(128, 512, 4, 4, 0.1),  # 10k-200k pairs, a CPU, a budget: RECIPES
     }
 )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a preset sets besides the model: training settings and the vocabulary size. The user's own
+    flags (--max-tokens, --vocab-size, --set KEY=VALUE) override each of them."""
+
+    train: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # TrainConfig
+    vocab_size: int = 8000  # the tokenizer's, when it learns one
+
+
+RECIPES: Mapping[str, Recipe] = MappingProxyType(
+    {
+        # Chosen on Multi30k's training and validation splits only (README, "A CPU hour"); for corpora
+        # of about 10k-200k pairs trained under a time budget on a CPU.
+        "low-resource": Recipe(
+            train=MappingProxyType(dict(max_tokens=1024, warmup_steps=400, lr_scale=0.5)),
+            vocab_size=6000,
+        ),
+    }
+)
+LOW_RESOURCE_PAIRS = 200_000  # up to this many training pairs `aiayn train` picks low-resource by itself
+
+
+def recipe(name: str) -> Recipe:
+    """The preset's settings besides the model (the defaults for a preset that is a model alone)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return RECIPES.get(name, Recipe())
+
+
+def preset_for_corpus(pairs: int) -> str:
+    """The preset for a corpus of this many training pairs when the user names none."""
+    return "low-resource" if pairs <= LOW_RESOURCE_PAIRS else "small"
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
@@ -422,7 +459,11 @@ __all__ = [
     "SearchConfig",
     "ServeConfig",
     "PRESETS",
+    "RECIPES",
+    "Recipe",
     "preset",
+    "recipe",
+    "preset_for_corpus",
     "from_dict",
     "parse_overrides",
     "split_overrides",

@@ -9,7 +9,6 @@ from typing import Any
 from aiayn import synthetic
 from aiayn.config import TrainConfig, preset
 from aiayn.data import Corpus, read_parallel
-from aiayn.evaluate import evaluate
 from aiayn.plots import plot_attention, plot_curves
 from aiayn.prepare import MANIFEST, TokenizerOptions, open_prepared, prepare_corpus
 from aiayn.run import Run
@@ -56,21 +55,25 @@ def run_demo(out: Path, minutes: float = 2.5) -> dict[str, Any]:
     train_config = TrainConfig(
         max_minutes=minutes, max_tokens=1500, warmup_steps=200, lr_scale=0.5, valid_every=200
     )
-    stop = train(run, model_config, train_config, prepared).stop
-    if stop.signal is not None:  # Ctrl-C: the run is saved and resumable; no scoring and plots now
-        return {"stopped": stop.signal, "resume": "run the same command again"}
+    result = train(run, model_config, train_config, prepared)
+    if result.stop.signal is not None:  # Ctrl-C: the run is saved and resumable; no scoring and plots now
+        return {"stopped": result.stop.signal, "resume": "run the same command again"}
     model_dir = run.out
 
-    translator = Translator.load(model_dir)  # the best model by validation BLEU, beam 4
-    result = evaluate(translator, valid_src, valid_tgt)
-    print(f"\nvalidation {result['bleu_detail']}  (beam 4, alpha 0.6)", file=sys.stderr)
+    final = result.final  # the run's own last validation, with the search translate uses
+    search = f"beam {final.search.beam_size}, alpha {final.search.alpha}"
+    print(
+        f"\nvalidation BLEU {final.bleu:.2f}  ({final.signature}; {search}; the {final.kept})",
+        file=sys.stderr,
+    )
+    translator = Translator.load(model_dir)
     for source, target in zip(EXAMPLES, translator.translate(list(EXAMPLES))):
         print(f"  {source}\n    -> {target}", file=sys.stderr)
     plots = [plot_curves(model_dir / "metrics.jsonl", out / "curves.png")]
     plots += plot_attention(translator, EXAMPLES[1], out)
     print("plots: " + ", ".join(str(p) for p in plots), file=sys.stderr)
     return {
-        "valid_bleu": result["bleu"],
-        "signature": result["bleu_signature"],
+        "valid_bleu": final.bleu,
+        "signature": final.signature,
         "plots": [str(p) for p in plots],
     }

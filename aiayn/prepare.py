@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from aiayn.config import preset_for_corpus, recipe
 from aiayn.data import (
     Corpus,
     Errors,
@@ -148,7 +149,7 @@ def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
 class TokenizerOptions:
     """How to learn the vocabulary when none is given."""
 
-    vocab_size: int = 8000
+    vocab_size: int | None = None  # None: the recipe's for a corpus of this size (config.preset_for_corpus)
     kind: str = "bpe"
     joint: bool = True
     sample: int = SAMPLE
@@ -182,7 +183,7 @@ def prepare(
         )
     if valid_fraction is not None and not 0.0 < valid_fraction < 1.0:
         raise ValueError(f"the validation fraction must be in (0, 1), got {valid_fraction}")
-    if tokenizer is None:
+    if tokenizer is None and options.vocab_size is not None:
         Tokenizer.check_options(options.vocab_size, options.kind)
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -201,10 +202,9 @@ def prepare(
                 raise ValueError(f"{name}: no training pairs left after dropping empty lines")
             chosen = _sample(trainable, options.sample, seed)
             sample = [_Side(pairs, held, chosen, side) for side in (0, 1)]
-            say(
-                f"tokenizer: learning {options.kind} vocab_size {options.vocab_size} from {len(sample[0])} pairs"
-            )
-            kind, joint, size = options.kind, options.joint, options.vocab_size
+            size = options.vocab_size or recipe(preset_for_corpus(trainable)).vocab_size
+            say(f"tokenizer: learning {options.kind} vocab_size {size} from {len(sample[0])} pairs")
+            kind, joint = options.kind, options.joint
             tokenizer = Tokenizer.train(*sample, vocab_size=size, kind=kind, joint=joint)
         tokenizer.save(tmp)
         report, held_pairs = _encode(tmp, pairs, held, tokenizer)

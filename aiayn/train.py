@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import sacrebleu
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -30,6 +29,7 @@ from aiayn.checkpoint import (
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig
 from aiayn.data import batch_plan, collate, filter_lengths, make_batches
 from aiayn.distributed import ONE, Ranks
+from aiayn.evaluate import evaluate, score
 from aiayn.model import Transformer
 from aiayn.precision import autocast, configure, default_device, resolve_dtype
 from aiayn.prepare import Prepared
@@ -192,9 +192,10 @@ class Stop:
 @dataclass(frozen=True)
 class Final:
     """The validation a run ends with, with the real search: the best single model by (greedy)
-    validation BLEU, and the average of the last checkpoints of a budgeted run; OUT keeps the better."""
+    validation BLEU, and the average of the last checkpoints of a run with a budget; OUT keeps the better."""
 
     search: SearchConfig
+    signature: str  # sacreBLEU's, of both scores
     single_bleu: float  # the best single model, with `search`
     average_steps: tuple[int, ...] = ()  # the updates of the averaged checkpoints; () = no average
     average_bleu: float | None = None
@@ -214,8 +215,8 @@ class Final:
         average = (
             {"steps": list(self.average_steps), "bleu": self.average_bleu} if self.average_steps else None
         )
-        return {"event": "final", "search": search, "single_bleu": self.single_bleu, "average": average,
-                "kept": self.kept}  # fmt: skip
+        return {"event": "final", "search": search, "signature": self.signature, "single_bleu": self.single_bleu,
+                "average": average, "kept": self.kept}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -247,8 +248,8 @@ def finish(run: Run, state: Progress, stop: Stop, final: Final | None = None) ->
 def snapshot_for_averaging(
     run: Run, model: Transformer, optimizer: torch.optim.Optimizer, state: Progress
 ) -> None:
-    """In a budgeted run, a checkpoint at each of average_last - 1 points spaced evenly over the last
-    average_fraction of the budget (the last of the N is the checkpoint the run ends with)."""
+    """In a run with a budget (whatever its schedule), a checkpoint at each of average_last - 1 points
+    spaced evenly over the last average_fraction of the budget (the last of the N is the one it ends with)."""
     cfg, n = run.train_config, run.train_config.averaged
     if n < 2 or state.snapshots >= n - 1:
         return
@@ -260,29 +261,32 @@ def snapshot_for_averaging(
 
 
 def final_validation(run: Run, validation: Validation, state: Progress, device: torch.device) -> Final | None:
-    """Validate OUT's model with the search translate uses (beam 4, alpha 0.6, §6.1) and, in a budgeted
-    run, the average of its last checkpoints; OUT keeps the average only if it scores higher."""
+    """Validate OUT's model with the search translate uses (beam 4, alpha 0.6, §6.1) and, in a run with a
+    budget, the average of its last checkpoints; OUT keeps the average only if it scores higher."""
     if not run.main or not validation.data.valid_src:
         return None
     search, cfg = SearchConfig(), run.train_config
-    single = validation.bleu(Translator.load(run.out, search, dtype=cfg.dtype, device=device))
+    single = validation.score(Translator.load(run.out, search, dtype=cfg.dtype, device=device))
     chosen = [
         c for c in list_checkpoints(run.out) if state.average_from >= 0 and step_of(c) >= state.average_from
     ]
     chosen = chosen[-cfg.averaged :] if cfg.averaged else []
-    final = Final(search, single)
+    final = Final(search, single["bleu_signature"], single["bleu"])
     if len(chosen) >= 2:
         model = Transformer(load_model_config(chosen[0]))
         load_state_dict_tied(model, average_checkpoints(chosen))
         average = Translator(model.to(device).eval(), run.tokenizer, search, cfg.dtype)
-        final = Final(search, single, tuple(step_of(c) for c in chosen), validation.bleu(average))
+        steps = tuple(step_of(c) for c in chosen)
+        final = Final(
+            search, single["bleu_signature"], single["bleu"], steps, validation.score(average)["bleu"]
+        )
         if final.kept == "average":
             run.save_model(model)
     run.log(final.record())
     average = (
         f", the average of updates {list(final.average_steps)} {final.average_bleu:.2f}" if chosen[1:] else ""
     )
-    run.say(f"final validation, beam {search.beam_size}: best single model {single:.2f}{average}; "
+    run.say(f"final validation, beam {search.beam_size}: best single model {final.single_bleu:.2f}{average}; "
             f"OUT holds the {final.kept}")  # fmt: skip
     return final
 
@@ -513,10 +517,9 @@ class Validation:
     cfg: TrainConfig
     device: torch.device
 
-    def bleu(self, translator: Translator) -> float:
-        """sacreBLEU of a translator's output on the validation text (detokenized, 13a)."""
-        hypotheses = translator.translate(self.data.valid_src)
-        return sacrebleu.corpus_bleu(hypotheses, [self.data.valid_tgt]).score
+    def score(self, translator: Translator) -> dict[str, Any]:
+        """evaluate.evaluate of a translator on the validation text: sacreBLEU (cased, detokenized, 13a)."""
+        return evaluate(translator, self.data.valid_src, self.data.valid_tgt)
 
     @torch.no_grad()
     def __call__(self, model: Transformer) -> dict[str, Any]:
@@ -541,12 +544,12 @@ class Validation:
                 tokens += real.sum().item()
         search = SearchConfig(beam_size=self.cfg.valid_beam_size)
         hyps = Translator(model, tokenizer, search, self.cfg.dtype).translate(src_text)
-        bleu = sacrebleu.corpus_bleu(hyps, [tgt_text])
+        bleu = score(hyps, tgt_text)["bleu"]
         model.train()
         return {
             "valid_loss": loss_sum / max(tokens, 1),
             "valid_ppl": math.exp(min(nll_sum / max(tokens, 1), 50)),
-            "valid_bleu": bleu.score,
+            "valid_bleu": bleu,
             "examples": list(zip(src_text[:3], tgt_text[:3], hyps[:3])),
         }
 

@@ -66,6 +66,38 @@ def test_train_writes_a_model_directory(workdir):
     assert steps == [10, 20]
 
 
+def test_without_a_preset_the_corpus_size_picks_one_and_says_so(workdir, tmp_path, monkeypatch):
+    """250 pairs: the low-resource recipe (its model, batch, schedule peak and vocabulary size), unless a
+    flag says otherwise; past LOW_RESOURCE_PAIRS, `small` with its own vocabulary size."""
+    from aiayn import config
+
+    root = workdir[0]
+    args = ["train", "--train", root / "train", "--valid", root / "valid", "--src-lang", "en", "--tgt-lang", "xx",
+            "--max-updates", 1, "--set", "dtype=fp32", "--quiet"]  # fmt: skip
+    code, _, stderr = run([*args, "--out", tmp_path / "auto"])
+    assert code == 0, stderr
+    assert "no --preset: 250 training pairs, so --preset low-resource" in stderr
+    chosen = config.RECIPES["low-resource"]
+    model = json.loads((tmp_path / "auto" / "config.json").read_text())
+    for key, value in config.PRESETS["low-resource"].items():
+        assert model[key] == value, key
+    trained = json.loads((tmp_path / "auto" / "train.json").read_text())
+    assert {k: trained[k] for k in chosen.train} == dict(chosen.train)
+    run_settings = json.loads((tmp_path / "auto" / "run.json").read_text())
+    assert f"vocab_size {chosen.vocab_size}," in json.dumps(run_settings)
+    code, _, stderr = run([*args, "--out", tmp_path / "flags", "--max-tokens", 999, "--set", "lr_scale=0.25"])
+    assert code == 0, stderr
+    trained = json.loads((tmp_path / "flags" / "train.json").read_text())
+    assert trained["max_tokens"] == 999 and trained["lr_scale"] == 0.25  # the user's flags win
+    monkeypatch.setattr(config, "LOW_RESOURCE_PAIRS", 100)
+    code, _, stderr = run([*args, "--out", tmp_path / "large"])
+    assert code == 0, stderr
+    assert "so --preset small" in stderr and "vocab_size 8000," in json.dumps(
+        json.loads((tmp_path / "large" / "run.json").read_text())
+    )
+    assert json.loads((tmp_path / "large" / "train.json").read_text())["max_tokens"] == 4096
+
+
 def test_translate_one_line_per_input_line(workdir):
     root, model, _, n_lines = workdir
     code, _, stderr = run(

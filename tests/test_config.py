@@ -246,3 +246,13 @@ def test_load_json_names_the_file_with_a_wrong_typed_value(tmp_path):
     path.write_text('{"d_model": "512"}')
     with pytest.raises(ValueError, match=re.escape(str(path))):
         load_json(ModelConfig, path)
+
+
+def test_averaging_needs_a_budget_not_the_budget_schedule():
+    """§6.1 averaging takes the checkpoints of the budget's last part: any schedule, as long as the run
+    knows where it ends."""
+    assert TrainConfig(max_updates=100, schedule="paper").averaged == 5
+    assert TrainConfig(max_minutes=30.0).averaged == 5 and TrainConfig(max_minutes=30.0).budgeted
+    assert not TrainConfig(max_updates=100, schedule="paper").budgeted
+    assert TrainConfig(max_epochs=3).averaged == 0  # epochs are not a budget
+    assert TrainConfig(max_updates=100, average_last=1).averaged == 0

@@ -16,6 +16,9 @@ def test_the_demo_trains_scores_draws_and_continues(tmp_path):
     ]  # fmt: skip
     assert all((tmp_path / p.rsplit("/", 1)[-1]).stat().st_size > 1000 for p in result["plots"])
     records = [json.loads(line) for line in (tmp_path / "model" / "metrics.jsonl").read_text().splitlines()]
+    (final,) = [r for r in records if r.get("event") == "final"]  # the figure is the run's own, not a rerun
+    kept = final["average"]["bleu"] if final["kept"] == "average" else final["single_bleu"]
+    assert result["valid_bleu"] == kept and result["signature"] == final["signature"]
     first_stop = [r for r in records if r.get("event") == "stop"][-1]["step"]
     assert first_stop > 0 and [r for r in records if "valid_bleu" in r][-1]["step"] == first_stop
     code, stdout, stderr = run_cli(["demo", "--out", tmp_path, "--minutes", 0.2])  # more time: it goes on

@@ -67,13 +67,21 @@ def test_a_bounded_sample_teaches_the_tokenizer(corpus, tmp_path):
         tmp_path / "c", str(corpus), "en", "xx", options=TokenizerOptions(vocab_size=300), **QUIET
     )
     assert one.tokenizer.files() == two.tokenizer.files() != full.tokenizer.files()  # seeded, and a sample
-    assert (
-        decoded(one.src)
-        == one.tokenizer.encode_src(
-            [s for s in read_parallel(corpus, "en", "xx")[0] if s.strip()][: len(one.src)]
-        )
-        or True
-    )
+    kept_src, _, _ = clean_pairs(*read_parallel(corpus, "en", "xx"))
+    assert decoded(one.src) == one.tokenizer.encode_src(kept_src)  # every pair, by the sample's vocabulary
+
+
+def test_without_a_vocabulary_size_the_corpus_size_picks_the_recipes(corpus, tmp_path, monkeypatch):
+    from aiayn import config
+
+    said: list[str] = []
+    prepare_files(tmp_path / "a", str(corpus), "en", "xx", options=TokenizerOptions(), say=said.append)
+    size = config.RECIPES["low-resource"].vocab_size  # 397 pairs: a small corpus
+    assert f"tokenizer: learning bpe vocab_size {size} from 397 pairs" in said
+    monkeypatch.setattr(config, "LOW_RESOURCE_PAIRS", 300)
+    said.clear()
+    prepare_files(tmp_path / "b", str(corpus), "en", "xx", options=TokenizerOptions(), say=said.append)
+    assert f"tokenizer: learning bpe vocab_size {config.Recipe().vocab_size} from 397 pairs" in said
 
 
 def test_held_out_pairs_are_those_split_valid_holds_out(corpus, tmp_path):
