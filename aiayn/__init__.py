@@ -8,8 +8,8 @@ one way (tests/test_layers.py holds the code to this table):
     model synthetic                  the Transformer (§3); the demo's generated task
     data search checkpoint           reading and batching text; search over ids; model directories
     prepare translate                a corpus as memory-mapped ids; text in, text out
-    run                              a training run's directory
-    train evaluate export plots      the training loop; sacreBLEU; CTranslate2; pictures
+    run evaluate                     a training run's directory; sacreBLEU
+    train export plots               the training loop; CTranslate2; pictures
     demo server                      the built-in job; the HTTP API and page
     cli                              the command line
     __main__                         python -m aiayn (what torchrun runs)

@@ -16,6 +16,7 @@ import shutil
 import struct
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -198,10 +199,11 @@ def checkpoint_path(out: str | Path, step: int) -> Path:
     return Path(out) / CHECKPOINTS / f"step_{step:08d}"
 
 
-def prune_checkpoints(out: str | Path, keep_last: int, keep: Path | None = None) -> None:
-    """Delete all but the newest `keep_last` checkpoints, and never `keep` (the best one)."""
+def prune_checkpoints(out: str | Path, keep_last: int, keep: Sequence[Path] = ()) -> None:
+    """Delete all but the newest `keep_last` checkpoints, and never those in `keep`."""
+    protected = {path.resolve() for path in keep}
     for path in list_checkpoints(out)[:-keep_last]:
-        if keep is None or path.resolve() != keep.resolve():
+        if path.resolve() not in protected:
             shutil.rmtree(path)
 
 

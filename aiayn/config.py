@@ -114,7 +114,7 @@ class TrainConfig:
     max_minutes: float = 0.0
     valid_every: int = 0  # updates between validations; 0 = once per epoch
     patience: int = 0  # validations without a better BLEU before stopping; 0 = never stop early
-    keep_last: int = 5  # checkpoints kept (for averaging, §6.1)
+    keep_last: int = 5  # newest checkpoints kept, besides the best and those the end of the run averages
     valid_beam_size: int = 1  # search used for validation BLEU (greedy is fast)
     seed: int = 1
     skip_nonfinite: bool = False  # skip batches whose loss is not finite instead of stopping

@@ -54,8 +54,8 @@ class Progress:
     best_step: int = -1  # the update whose weights OUT holds as its model; -1: none yet
     validated_step: int = -1  # the last update validated
     metrics_bytes: int = -1  # the length of metrics.jsonl when this was saved; -1: unknown
-    snapshots: int = 0  # checkpoints taken for averaging (§6.1) in the last part of a budget
-    average_from: int = -1  # the update of the first of them
+    # the updates of the checkpoints taken for averaging (§6.1) in the last part of a budget
+    averaging: list[int] = dataclasses.field(default_factory=list)
 
 
 class Run:
@@ -186,7 +186,10 @@ class Run:
             checkpoint.load_weights(model, last / checkpoint.WEIGHTS)
             try:
                 optimizer.load_state_dict(saved["optimizer"])
-                state = Progress(**saved["progress"])
+                progress = saved["progress"]
+                for legacy in ("snapshots", "average_from"):  # before `averaging` named the updates
+                    progress.pop(legacy, None)
+                state = Progress(**progress)
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"{last / checkpoint.STATE}: does not fit this model ({e})") from None
             if self.main:
@@ -351,9 +354,10 @@ class Run:
         path = checkpoint.save_checkpoint(
             self.out, state.step, model, self.tokenizer, self.train_config, payload
         )
-        best = checkpoint.checkpoint_path(self.out, state.best_step) if state.best_step >= 0 else None
-        kept = max(self.train_config.keep_last, self.train_config.averaged)  # what the end averages stays
-        checkpoint.prune_checkpoints(self.out, kept, keep=best)
+        # never pruned: the best one (OUT's model) and those the end of the run averages
+        steps = ([state.best_step] if state.best_step >= 0 else []) + state.averaging
+        keep = [checkpoint.checkpoint_path(self.out, step) for step in steps]
+        checkpoint.prune_checkpoints(self.out, self.train_config.keep_last, keep=keep)
         return path
 
     def save_model(self, model: Transformer) -> None:

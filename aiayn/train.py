@@ -21,10 +21,8 @@ from torch import Tensor, nn
 from aiayn.checkpoint import (
     average_checkpoints,
     checkpoint_path,
-    list_checkpoints,
     load_model_config,
     load_state_dict_tied,
-    step_of,
 )
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig
 from aiayn.data import batch_plan, collate, filter_lengths, make_batches
@@ -251,12 +249,15 @@ def snapshot_for_averaging(
     """In a run with a budget (whatever its schedule), a checkpoint at each of average_last - 1 points
     spaced evenly over the last average_fraction of the budget (the last of the N is the one it ends with)."""
     cfg, n = run.train_config, run.train_config.averaged
-    if n < 2 or state.snapshots >= n - 1:
+    used = budget_used(state.step + 0.5, run.minutes(), cfg)  # the budget used once this update is done
+    if n < 2 or used < 1.0 - cfg.average_fraction:
+        state.averaging.clear()  # (taken for a shorter budget, before a resume with a longer one)
         return
-    due = 1.0 - cfg.average_fraction * (n - 1 - state.snapshots) / n
-    if budget_used(state.step + 0.5, run.minutes(), cfg) >= due:  # the budget used once this update is done
-        state.snapshots += 1
-        state.average_from = state.step if state.average_from < 0 else state.average_from
+    if (
+        len(state.averaging) < n - 1
+        and used >= 1.0 - cfg.average_fraction * (n - 1 - len(state.averaging)) / n
+    ):
+        state.averaging.append(state.step)
         run.save_checkpoint(model, optimizer, state)
 
 
@@ -267,19 +268,16 @@ def final_validation(run: Run, validation: Validation, state: Progress, device: 
         return None
     search, cfg = SearchConfig(), run.train_config
     single = validation.score(Translator.load(run.out, search, dtype=cfg.dtype, device=device))
-    chosen = [
-        c for c in list_checkpoints(run.out) if state.average_from >= 0 and step_of(c) >= state.average_from
-    ]
-    chosen = chosen[-cfg.averaged :] if cfg.averaged else []
+    # its own snapshots and the checkpoint it ended with; not the validations' checkpoints in between
+    steps = sorted({*state.averaging, state.step}) if state.averaging else []
+    chosen = [checkpoint_path(run.out, step) for step in steps]
     final = Final(search, single["bleu_signature"], single["bleu"])
     if len(chosen) >= 2:
         model = Transformer(load_model_config(chosen[0]))
         load_state_dict_tied(model, average_checkpoints(chosen))
         average = Translator(model.to(device).eval(), run.tokenizer, search, cfg.dtype)
-        steps = tuple(step_of(c) for c in chosen)
-        final = Final(
-            search, single["bleu_signature"], single["bleu"], steps, validation.score(average)["bleu"]
-        )
+        average_bleu = validation.score(average)["bleu"]
+        final = Final(search, single["bleu_signature"], single["bleu"], tuple(steps), average_bleu)
         if final.kept == "average":
             run.save_model(model)
     run.log(final.record())

@@ -258,20 +258,21 @@ def test_save_checkpoint_overwrites_the_same_step_and_leaves_no_temporaries(toke
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters()))
 
 
-def test_prune_checkpoints_keeps_the_newest_and_the_protected_one(tokenizers, tmp_path):
+def test_prune_checkpoints_keeps_the_newest_and_the_protected_ones(tokenizers, tmp_path):
     tokenizer = tokenizers["joint"]
     model = make_model(tokenizer, True, True)
-    for step in range(1, 6):
+    for step in range(1, 7):
         checkpoint.save_checkpoint(tmp_path, step, model, tokenizer, TrainConfig(), {})
     root = tmp_path / checkpoint.CHECKPOINTS
-    checkpoint.prune_checkpoints(tmp_path, 2, keep=root / "step_00000001")
+    checkpoint.prune_checkpoints(tmp_path, 2, keep=[root / "step_00000001", root / "step_00000003"])
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
         "step_00000001",
-        "step_00000004",
+        "step_00000003",
         "step_00000005",
+        "step_00000006",
     ]
     checkpoint.prune_checkpoints(tmp_path, 1)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000005"]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000006"]
 
 
 # --- load errors -------------------------------------------------------------------------------------

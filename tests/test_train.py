@@ -456,6 +456,20 @@ def test_the_run_ends_validated_with_beam_search_and_keeps_the_average_only_if_b
     )
 
 
+def test_the_average_is_of_its_own_snapshots_not_of_the_validations_checkpoints_between(data, tmp_path):
+    """40 updates, average_last 3: snapshots when 80% + 20%/3 and 80% + 40%/3 of the budget are used
+    (updates 35 and 38) and the last update; the validation checkpoint at 36 lies between them, and
+    keep_last 2 would prune 35 but for its part in the average."""
+    tokenizer, corpus = data
+    cfg = TrainConfig(max_updates=40, valid_every=9, average_last=3, keep_last=2, max_tokens=200,
+                      dtype="fp32", warmup_steps=4, seed=3)  # fmt: skip
+    run_train(tmp_path, small_model(tokenizer, dropout=0.0), cfg, tokenizer, corpus)
+    (final,) = [r for r in read_metrics(tmp_path) if r.get("event") == "final"]
+    assert final["average"]["steps"] == [35, 38, 40]
+    assert {35, 38, 40} <= {checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)}
+    assert 36 in [r["step"] for r in read_metrics(tmp_path) if "valid_bleu" in r]
+
+
 def test_train_refuses_a_corpus_with_nothing_short_enough(data, tmp_path):
     tokenizer, corpus = data
     with pytest.raises(ValueError, match="max_len=3"):
