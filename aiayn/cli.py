@@ -108,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             cfg = train_config(args, name, train_overrides)
             sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
             model_config = preset_for_vocabulary(name, *sizes, **model_overrides)
-        vocab = tokenizer_options(args).vocab_size or recipe(preset_for_corpus(len(data.src))).vocab_size
+        vocab = tokenizer_options(args).vocab_size or recipe(name).vocab_size  # what prepare was asked for
         settings = {} if args.data else {"tokenizer": f"{args.tokenizer}, vocab_size {vocab}, " + (
             "separate" if args.separate_vocab else "joint")}  # fmt: skip
         result = train(run, model_config, cfg, data, device, settings, ranks)
