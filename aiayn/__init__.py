@@ -9,7 +9,7 @@ one way (tests/test_layers.py holds the code to this table):
     data search checkpoint           reading and batching text; search over ids; model directories
     prepare translate                a corpus as memory-mapped ids; text in, text out
     run evaluate                     a training run's directory; sacreBLEU
-    train export plots               the training loop; CTranslate2; pictures
+    train export keras_model plots   the training loop; CTranslate2; the model in Keras 3; pictures
     demo server                      the built-in job; the HTTP API and page
     cli                              the command line
     __main__                         python -m aiayn (what torchrun runs)

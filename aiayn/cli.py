@@ -380,10 +380,24 @@ def cmd_average(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from aiayn.export import export_ctranslate2  # needs the optional ctranslate2 package
-
-    check_writable_dir(args.out)
-    dest = export_ctranslate2(args.model, args.out, quantization=args.quantization, force=args.force)
+    extra = {"ctranslate2": "dev", "keras": "keras"}[args.format]
+    try:  # each format needs an optional package
+        if args.format == "keras":
+            from aiayn.keras_model import export_keras
+        else:
+            from aiayn.export import export_ctranslate2
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"--format {args.format} needs the {e.name} package: pip install 'aiayn[{extra}]'"
+        ) from None
+    if args.format == "keras":
+        if args.quantization is not None:
+            raise ValueError("--quantization is CTranslate2's; the Keras export keeps the weights in float32")
+        check_writable_file(args.out, "Keras model")
+        dest = export_keras(args.model, args.out, force=args.force)
+    else:
+        check_writable_dir(args.out)
+        dest = export_ctranslate2(args.model, args.out, quantization=args.quantization, force=args.force)
     print(json.dumps({"format": args.format, "out": str(dest)}))
 
 
@@ -603,8 +617,13 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a model directory for another inference engine")
     p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
-    p.add_argument("--format", choices=["ctranslate2"], default="ctranslate2")
-    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument(
+        "--format",
+        choices=["ctranslate2", "keras"],
+        default="ctranslate2",
+        help="ctranslate2: a CTranslate2 model directory; keras: a Keras 3 .keras file (README, Keras)",
+    )
+    p.add_argument("--out", required=True, help="directory to write (ctranslate2) or FILE.keras (keras)")
     p.add_argument("--quantization", help="CTranslate2 weight type, e.g. int8 or float16 (default float32)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_export)
