@@ -249,8 +249,10 @@ def snapshot_for_averaging(
     """In a run with a budget (whatever its schedule), a checkpoint at each of average_last - 1 points
     spaced evenly over the last average_fraction of the budget (the last of the N is the one it ends with)."""
     cfg, n = run.train_config, run.train_config.averaged
+    if n < 2:  # no budget, or no averaging: nothing to do at any update
+        return
     used = budget_used(state.step + 0.5, run.minutes(), cfg)  # the budget used once this update is done
-    if n < 2 or used < 1.0 - cfg.average_fraction:
+    if used < 1.0 - cfg.average_fraction:
         state.averaging.clear()  # (taken for a shorter budget, before a resume with a longer one)
         return
     if (
