@@ -156,6 +156,36 @@ def sinusoids(n_positions: int, d_model: int) -> Tensor:
     return pe.float()
 
 
+class Dropout(nn.Module):
+    """§5.4 residual dropout: in training, each element is zeroed with probability p and the others are
+    scaled by 1 / (1 - p); in evaluation, the identity. `nn.Dropout`, except on the CPU.
+
+    PyTorch's CPU dropout draws its mask with `bernoulli_`, which cost 1.1 ms forward and backward on a
+    (1100, 128) activation, about a sixth of a low-resource training step on 2 cores. The same mask from
+    15 random bits an element costs 0.36 ms: `random_` fills int64s with 63 random bits, and each int64
+    seen as four int16s, masked to their low 15 bits, gives four uniform numbers in [0, 32768). p is
+    rounded to a multiple of 1/32768 there (0.1 -> 0.100006). Both draw from torch's default generator,
+    so `torch.manual_seed` fixes the masks either way.
+    """
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu":  # a fused kernel on the GPU
+            return F.dropout(x, self.p, training=True)
+        n = x.numel()
+        bits = torch.empty(n // 4 + 1, dtype=torch.int64).random_().view(torch.int16)[:n] & 0x7FFF
+        keep = bits.view(x.shape) >= round(self.p * 32768)  # P(keep) = 1 - p, p to 1/32768
+        return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class Embedding(nn.Module):
     """§3.4 token embedding scaled by sqrt(d_model), plus §3.5 positions, then dropout (§5.4)."""
 
@@ -168,7 +198,7 @@ class Embedding(nn.Module):
             self.positions = nn.Embedding(config.max_positions, config.d_model)
         else:  # not a parameter and not saved: always recomputed from the formula
             self.register_buffer("table", sinusoids(config.max_positions, config.d_model), persistent=False)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def position_table(self, end: int) -> Tensor:
         """Positions 0..end-1, (end, D); sinusoids extend past max_positions, learned ones cannot."""
@@ -204,7 +234,7 @@ class EncoderLayer(nn.Module):
         self.feed_forward = FeedForward(config)
         self.self_attn_norm = nn.LayerNorm(config.d_model)  # per-feature gain and bias
         self.feed_forward_norm = nn.LayerNorm(config.d_model)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.pre_norm = config.norm == "pre"
 
     def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
@@ -227,7 +257,7 @@ class DecoderLayer(nn.Module):
         self.self_attn_norm = nn.LayerNorm(config.d_model)
         self.cross_attn_norm = nn.LayerNorm(config.d_model)
         self.feed_forward_norm = nn.LayerNorm(config.d_model)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.pre_norm = config.norm == "pre"
 
     def forward(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import preset
-from aiayn.model import MultiHeadAttention, RecordedAttention, Transformer, attention_maps, sinusoids
+from aiayn.model import Dropout, MultiHeadAttention, RecordedAttention, Transformer, attention_maps, sinusoids
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 V = 16  # vocabulary of the tiny models; ids 0-3 are special, 4..V-1 are words
@@ -228,6 +228,48 @@ def test_embedding_scales_tokens_then_adds_positions():
         # incremental decoding embeds positions start..start+L-1
         torch.testing.assert_close(embed(ids[:, 4:], start=4), expected[:, 4:], atol=1e-5, rtol=0)
     assert model.src_embed.tokens.weight[PAD_ID].abs().max() == 0  # a pad token adds nothing but its position
+
+
+# --- §5.4 Dropout ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_zeroes_at_rate_p_in_every_lane_and_scales_the_rest(p):
+    """The mask's rate within 5 standard deviations, in each of the four int16 lanes of a random int64
+    (a lane with a constant sign bit would never drop), neighbours independent, survivors x / (1 - p)."""
+    torch.manual_seed(0)
+    n = 1 << 20
+    x = torch.rand(n) + 1.0  # no zeros of its own
+    y = Dropout(p).train()(x)
+    dropped = y == 0
+    tolerance = lambda m: 5 * math.sqrt(p * (1 - p) / m)  # noqa: E731
+    for lane in range(4):
+        assert abs(dropped[lane::4].float().mean().item() - p) < tolerance(n // 4)
+    both = (dropped[:-1] & dropped[1:]).float().mean().item()  # P(two neighbours dropped) = p^2
+    assert abs(both - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / n)
+    torch.testing.assert_close(y[~dropped], x[~dropped] / (1 - p), rtol=1e-6, atol=0)
+
+
+def test_dropout_gradient_is_the_mask_and_evaluation_is_the_identity():
+    torch.manual_seed(0)
+    x = torch.randn(4, 7, 33, requires_grad=True)
+    dropout = Dropout(0.2).train()
+    y = dropout(x)
+    assert y.shape == x.shape
+    y.sum().backward()
+    expected = torch.where(y == 0, 0.0, 1 / 0.8)
+    torch.testing.assert_close(x.grad, expected)
+    assert dropout.eval()(x) is x and Dropout(0.0).train()(x) is x
+    assert Dropout(0.2).train()(x.detach().bfloat16()).dtype == torch.bfloat16
+
+
+def test_dropout_masks_follow_the_seed():
+    x = torch.ones(10_000)
+    masks = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        masks.append(Dropout(0.1).train()(x) == 0)
+    assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
 
 
 # --- §3.2 Attention ----------------------------------------------------------------------------------
