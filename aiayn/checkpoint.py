@@ -1,6 +1,7 @@
 """Model directories: save and safe load of weights, configs and training state; averaging (§6.1).
 
-A model directory holds `config.json` (ModelConfig), `model.safetensors` and the tokenizer file(s);
+A model directory holds `config.json` (ModelConfig), `model.safetensors`, the tokenizer file(s) and, when
+it was trained by aiayn, `search.json` (the SearchConfig it is meant to be decoded with);
 a training checkpoint (OUT/checkpoints/step_N) adds `state.pt` (optimizer, progress, RNG) and
 `train.json` (TrainConfig). A model directory is written as a set whose config.json lands last, and a
 checkpoint under a temporary name renamed whole, so a kill at any moment leaves the previous version
@@ -25,12 +26,13 @@ import safetensors
 import safetensors.torch
 import torch
 
-from aiayn.config import ModelConfig, TrainConfig, from_dict, read_json, save_json
+from aiayn.config import ModelConfig, SearchConfig, TrainConfig, from_dict, read_json, save_json
 from aiayn.files import TMP_SUFFIX, atomic_write, fsync_dir, write_set
 from aiayn.model import Transformer
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 CONFIG, WEIGHTS, STATE, TRAIN_CONFIG = "config.json", "model.safetensors", "state.pt", "train.json"
+SEARCH = "search.json"
 CHECKPOINTS = "checkpoints"
 
 # Names of model directories written before the special ids left ModelConfig and the layer norms left
@@ -109,15 +111,28 @@ def load_weights(model: Transformer, path: str | Path) -> None:
 # --- Model directories ----------------------------------------------------------------------------
 
 
-def save_model(directory: str | Path, model: Transformer, tokenizer: Tokenizer) -> None:
-    """Write (or replace) a model directory that Translator.load reads: never a mix of two models."""
+def save_model(
+    directory: str | Path, model: Transformer, tokenizer: Tokenizer, search: SearchConfig | None = None
+) -> None:
+    """Write (or replace) a model directory that Translator.load reads: never a mix of two models.
+    search: the search the model is meant for (search.json); None: none is written (readers use §6.1's)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     files = {WEIGHTS: lambda tmp: write_weights(model, tmp)}
     for name, text in tokenizer.files().items():
         files[name] = lambda tmp, text=text: tmp.write_text(text, encoding="utf-8")
+    if search is not None:
+        files[SEARCH] = lambda tmp: save_json(search, tmp)
     files[CONFIG] = lambda tmp: save_json(model.config, tmp)
-    write_set(directory, files, last=CONFIG, stale=tokenizer.stale_files())
+    stale = tokenizer.stale_files() + (() if search is not None else (SEARCH,))
+    write_set(directory, files, last=CONFIG, stale=stale)
+
+
+def load_search(directory: str | Path) -> SearchConfig:
+    """The search a model directory is meant for, like Hugging Face's generation_config.json: its
+    search.json (the recipe's, written by training), else §6.1's (beam 4, alpha 0.6)."""
+    path = Path(directory) / SEARCH
+    return from_dict(SearchConfig, read_json(path), where=str(path)) if path.is_file() else SearchConfig()
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
@@ -169,7 +184,7 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=TMP_SUFFIX))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private, like mkstemp in atomic_write
-        save_model(tmp, model, tokenizer)
+        save_model(tmp, model, tokenizer, train_config.search())
         atomic_write(tmp / TRAIN_CONFIG, lambda p: save_json(train_config, p))
         atomic_write(tmp / STATE, lambda p: torch.save(state, p))
         if final.exists():  # the same step saved again (e.g. an interrupt right after a validation)
@@ -278,7 +293,7 @@ def average(out: str | Path, last: int, dest: str | Path, force: bool = False) -
     chosen = checkpoints[-last:]
     model = Transformer(load_model_config(chosen[0]))
     load_state_dict_tied(model, average_checkpoints(chosen))
-    save_model(dest, model, Tokenizer.load(chosen[-1]))
+    save_model(dest, model, Tokenizer.load(chosen[-1]), load_search(chosen[-1]))
     return dest
 
 

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     held = f"the model of update {result.model_step} ({bleu if result.model_validated else 'not validated'})"
     final = result.final
     if final is not None:  # with the real search; the average of the last checkpoints when it won
-        beam = f"validation BLEU {final.bleu:.2f} with beam {final.search.beam_size}"
+        beam = f"validation BLEU {final.bleu:.2f} with {final.search.describe()}"
         held = (f"the average of the checkpoints of updates {list(final.average_steps)} ({beam})"
                 if final.kept == "average" else f"{held[:-1]}; {beam})")  # fmt: skip
     if result.stop.signal is None:
@@ -282,10 +282,14 @@ def data_files(items: list[str]) -> dict[str, list[str]] | None:
 
 
 def search_config_from(args: argparse.Namespace, n_best: int = 1) -> SearchConfig:
+    """The model's own search (its search.json, else §6.1's), with the flags the user gave over it."""
+    from aiayn.checkpoint import load_search
+
+    base = asdict(load_search(args.model))
     fields = {"beam_size": args.beam_size, "alpha": args.alpha, "length_penalty": args.length_penalty}
-    fields = {k: v for k, v in fields.items() if v is not None}
+    fields = {**base, **{k: v for k, v in fields.items() if v is not None}}
     if n_best > 1:  # an n-best list needs at least as many beams
-        fields["beam_size"] = max(n_best, fields.get("beam_size", SearchConfig.beam_size))
+        fields["beam_size"] = max(n_best, fields["beam_size"])
     return from_dict(SearchConfig, {**fields, "n_best": n_best}, where="search options")
 
 
@@ -479,10 +483,10 @@ def encoding_flag(p: argparse.ArgumentParser) -> None:
 
 def search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
-    p.add_argument("--beam-size", type=int, help="1 = greedy (default 4, §6.1)")
-    p.add_argument("--alpha", type=float, help="length penalty weight (default 0.6)")
+    p.add_argument("--beam-size", type=int, help="1 = greedy (default: the model's search.json, else 4, §6.1)")
+    p.add_argument("--alpha", type=float, help="length penalty weight (default: the model's, else 0.6)")
     p.add_argument(
-        "--length-penalty", choices=["gnmt", "average"], help="gnmt (paper) or average (fairseq/HF)"
+        "--length-penalty", choices=["gnmt", "average"], help="gnmt (paper) or average (fairseq/HF); default: the model's, else gnmt"
     )
     p.add_argument(
         "--dtype",

@@ -364,7 +364,7 @@ class Run:
         """OUT's model directory: the weights to translate with."""
         if not self.main:
             return
-        checkpoint.save_model(self.out, model, self.tokenizer)
+        checkpoint.save_model(self.out, model, self.tokenizer, self.train_config.search())
 
     def metrics_length(self) -> int:
         path = self.out / METRICS

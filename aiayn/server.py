@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from aiayn.checkpoint import load_search
 from aiayn.config import SearchConfig, ServeConfig
 from aiayn.model import attention_maps
 from aiayn.precision import resolve_dtype
@@ -684,7 +685,7 @@ def serve(
     from aiayn.precision import resolve_device
 
     listener = listen(host, port)  # before the model loads: a port in use is said at once
-    search = SearchConfig(beam_size=config.beam_size)
+    search = replace(load_search(model_dir), beam_size=config.beam_size)  # alpha, penalty: the model's
     if engine == "ctranslate2":  # CTranslate2's beam search has only the average length penalty
         search = replace(search, length_penalty="average")
         log.warning("--engine ctranslate2: beams use the average length penalty, score / |Y|^alpha")

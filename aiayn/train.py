@@ -9,7 +9,7 @@ import contextlib
 import math
 import signal
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -264,11 +264,14 @@ def snapshot_for_averaging(
 
 
 def final_validation(run: Run, validation: Validation, state: Progress, device: torch.device) -> Final | None:
-    """Validate OUT's model with the search translate uses (beam 4, alpha 0.6, §6.1) and, in a run with a
-    budget, the average of its last checkpoints; OUT keeps the average only if it scores higher."""
+    """Validate OUT's model with the search it is trained for (TrainConfig.search(), which OUT's
+    search.json keeps and translate uses: §6.1's beam 4, alpha 0.6 unless a recipe or --set says other)
+    and, in a run with a budget, the average of its last checkpoints; OUT keeps the average only if it
+    scores higher."""
     if not run.main or not validation.data.valid_src:
         return None
-    search, cfg = SearchConfig(), run.train_config
+    cfg = run.train_config
+    search = cfg.search()
     single = validation.score(Translator.load(run.out, search, dtype=cfg.dtype, device=device))
     # its own snapshots and the checkpoint it ended with; not the validations' checkpoints in between
     steps = sorted({*state.averaging, state.step}) if state.averaging else []
@@ -286,7 +289,7 @@ def final_validation(run: Run, validation: Validation, state: Progress, device: 
     average = (
         f", the average of updates {list(final.average_steps)} {final.average_bleu:.2f}" if chosen[1:] else ""
     )
-    run.say(f"final validation, beam {search.beam_size}: best single model {final.single_bleu:.2f}{average}; "
+    run.say(f"final validation, {search.describe()}: best single model {final.single_bleu:.2f}{average}; "
             f"OUT holds the {final.kept}")  # fmt: skip
     return final
 
@@ -542,7 +545,7 @@ class Validation:
                 )
                 loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
                 tokens += real.sum().item()
-        search = SearchConfig(beam_size=self.cfg.valid_beam_size)
+        search = replace(self.cfg.search(), beam_size=self.cfg.valid_beam_size)
         hyps = Translator(model, tokenizer, search, self.cfg.dtype).translate(src_text)
         bleu = score(hyps, tgt_text)["bleu"]
         model.train()

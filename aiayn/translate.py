@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from aiayn.checkpoint import load_model
+from aiayn.checkpoint import load_model, load_search
 from aiayn.config import SearchConfig
 from aiayn.model import Transformer
 from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, default_device, for_inference
@@ -55,10 +55,12 @@ class Translator:
         dtype: Dtype = DEFAULT_DTYPE,
         device: str | torch.device | None = None,
     ) -> Translator:
-        """A model directory, in the layout and number format that translate fastest (for_inference)."""
+        """A model directory, in the layout and number format that translate fastest (for_inference);
+        without a search_config, the one the model directory names (search.json), else §6.1's."""
         device = torch.device(device) if device is not None else default_device()
         configure(device)
         model = load_model(directory, device)
+        search_config = search_config or load_search(directory)  # the model's own, else §6.1's
         return cls(for_inference(model, dtype), Tokenizer.load(directory), search_config, dtype)
 
     @property

@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 
 from aiayn import checkpoint
-from aiayn.config import ModelConfig, TrainConfig, preset
+from aiayn.config import ModelConfig, SearchConfig, TrainConfig, preset
 from aiayn.model import Transformer
 from aiayn.synthetic import generate
 from aiayn.tokenizer import PAD_ID, Tokenizer
@@ -171,9 +171,14 @@ def test_average_last_checkpoints_of_a_run(tokenizers, tmp_path):
         want = (dict(models[10].named_parameters())[name] + dict(models[30].named_parameters())[name]) / 2
         torch.testing.assert_close(p, want, rtol=0, atol=1e-6)
     assert Tokenizer.load(dest).src_vocab_size == tokenizer.src_vocab_size
+    assert checkpoint.load_search(dest) == SearchConfig()  # the run's: TrainConfig's default, §6.1's
+    recipe = TrainConfig(beam_size=5, alpha=1.0, length_penalty="average")
+    checkpoint.save_checkpoint(tmp_path, 40, models[30], tokenizer, recipe, {})
+    dest = checkpoint.average(tmp_path, 2, tmp_path / "avg2")
+    assert checkpoint.load_search(dest) == recipe.search()  # the newest checkpoint's search travels along
 
-    with pytest.raises(ValueError, match="found 3"):
-        checkpoint.average(tmp_path, 4, tmp_path / "too_many")
+    with pytest.raises(ValueError, match="found 4"):
+        checkpoint.average(tmp_path, 5, tmp_path / "too_many")
     for last in (0, -1):  # checkpoints[-0:] would silently average them all
         with pytest.raises(ValueError, match="at least 1"):
             checkpoint.average(tmp_path, last, tmp_path / "none")
@@ -283,6 +288,21 @@ def saved(tokenizers, tmp_path):
     directory = tmp_path / "model"
     checkpoint.save_model(directory, make_model(tokenizers["joint"], True, True), tokenizers["joint"])
     return directory
+
+
+def test_search_json_round_trips_defaults_to_the_papers_and_never_outlives_its_model(saved, tokenizers):
+    assert not (saved / checkpoint.SEARCH).exists() and checkpoint.load_search(saved) == SearchConfig()
+    model, tokenizer = checkpoint.load_model(saved), tokenizers["joint"]
+    search = SearchConfig(beam_size=6, alpha=1.2, length_penalty="average", max_len_b=20)
+    checkpoint.save_model(saved, model, tokenizer, search)
+    assert checkpoint.load_search(saved) == search
+    assert Translator.load(saved, device="cpu").search_config == search
+    assert Translator.load(saved, SearchConfig(beam_size=2), device="cpu").search_config.beam_size == 2
+    checkpoint.save_model(saved, model, tokenizer)  # a model saved without one: the old one goes
+    assert not (saved / checkpoint.SEARCH).exists()
+    (saved / checkpoint.SEARCH).write_text(json.dumps({"beam_size": 4, "alpha": -1.0}))
+    with pytest.raises(ValueError, match=re.escape(str(saved / checkpoint.SEARCH))):
+        checkpoint.load_search(saved)
 
 
 def test_load_missing_directory(tmp_path):

@@ -377,3 +377,31 @@ def test_tensorboard_asked_for_but_missing_is_said_once(corpus_prefix, tmp_path,
     assert (
         stderr.count("TensorBoard was asked for but is not installed") == 1 and "aiayn[tensorboard]" in stderr
     )
+
+
+def test_translate_starts_from_the_models_search_json_and_flags_override_it(workdir, tmp_path):
+    import argparse
+    import shutil
+
+    from aiayn.cli import search_config_from
+    from aiayn.config import SearchConfig
+
+    root, model, _, _ = workdir
+    own = tmp_path / "own"
+    shutil.copytree(model, own, ignore=shutil.ignore_patterns("checkpoints"))
+    assert checkpoint.load_search(own) == SearchConfig()  # trained with TrainConfig's default: §6.1's
+    (own / checkpoint.SEARCH).write_text(json.dumps({"beam_size": 3, "alpha": 1.0, "length_penalty": "average"}))
+
+    def flags(**given):
+        return argparse.Namespace(**{"model": own, "beam_size": None, "alpha": None, "length_penalty": None, **given})
+
+    assert search_config_from(flags()) == SearchConfig(beam_size=3, alpha=1.0, length_penalty="average")
+    assert search_config_from(flags(alpha=0.2), n_best=5) == SearchConfig(
+        beam_size=5, alpha=0.2, length_penalty="average", n_best=5
+    )
+    outputs = {}
+    for name, extra in (("plain", []), ("explicit", ["--beam-size", 3, "--alpha", 1.0, "--length-penalty", "average"])):
+        code, _, stderr = run(["translate", own, "--input", root / "test.en", "--output", tmp_path / name, "--quiet", *extra])
+        assert code == 0, stderr
+        outputs[name] = (tmp_path / name).read_text()
+    assert outputs["plain"] == outputs["explicit"]

@@ -11,7 +11,7 @@ from conftest import run_train
 
 from aiayn import checkpoint
 from aiayn import train as train_module
-from aiayn.config import TrainConfig, preset
+from aiayn.config import SearchConfig, TrainConfig, preset
 from aiayn.data import Corpus, collate, make_batches
 from aiayn.model import Transformer
 from aiayn.synthetic import generate
@@ -493,3 +493,22 @@ def test_patience_stops_after_that_many_validations_without_a_better_bleu(data, 
     assert [r["step"] for r in records if "valid_bleu" in r] == [2, 4, 6]  # no extra validation at the stop
     assert len({r["valid_bleu"] for r in records if "valid_bleu" in r}) == 1
     assert records[-1]["reason"] == "patience"
+
+
+def test_the_search_a_run_is_trained_for_is_its_final_validation_and_its_models(data, tmp_path):
+    """--set beam_size/alpha/length_penalty: the final validation decodes with it, and OUT and every
+    checkpoint keep it in search.json, which Translator.load then uses without being told."""
+    tokenizer, corpus = data
+    cfg = TrainConfig(max_updates=12, valid_every=6, max_tokens=200, dtype="fp32", warmup_steps=4,
+                      lr_scale=2.0, beam_size=3, alpha=1.0, length_penalty="average")  # fmt: skip
+    result = run_train(tmp_path, small_model(tokenizer, dropout=0.0), cfg, tokenizer, corpus)
+    wanted = SearchConfig(beam_size=3, alpha=1.0, length_penalty="average")
+    (final,) = [r for r in read_metrics(tmp_path) if r.get("event") == "final"]
+    assert final["search"] == {"beam_size": 3, "alpha": 1.0, "length_penalty": "average"}
+    for directory in [tmp_path, *checkpoint.list_checkpoints(tmp_path)]:
+        assert checkpoint.load_search(directory) == wanted, directory
+    best_single = checkpoint.checkpoint_path(tmp_path, result.model_step)
+    told = Translator.load(best_single, wanted, device="cpu").translate(corpus.valid_src)
+    untold = Translator.load(best_single, device="cpu")
+    assert untold.search_config == wanted and untold.translate(corpus.valid_src) == told
+    assert final["single_bleu"] == pytest.approx(sacrebleu.corpus_bleu(told, [corpus.valid_tgt]).score)
