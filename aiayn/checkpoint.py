@@ -132,7 +132,9 @@ def load_search(directory: str | Path) -> SearchConfig:
     """The search a model directory is meant for, like Hugging Face's generation_config.json: its
     search.json (the recipe's, written by training), else §6.1's (beam 4, alpha 0.6)."""
     path = Path(directory) / SEARCH
-    return from_dict(SearchConfig, read_json(path), where=str(path)) if path.is_file() else SearchConfig()
+    if not path.is_file():
+        return SearchConfig()
+    return from_dict(SearchConfig, read_json(path), where=str(path))
 
 
 def read_model_config(path: str | Path) -> ModelConfig:

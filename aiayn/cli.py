@@ -483,10 +483,12 @@ def encoding_flag(p: argparse.ArgumentParser) -> None:
 
 def search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
-    p.add_argument("--beam-size", type=int, help="1 = greedy (default: the model's search.json, else 4, §6.1)")
+    p.add_argument("--beam-size", type=int, help="1 = greedy (default: the model's search.json, else 4)")
     p.add_argument("--alpha", type=float, help="length penalty weight (default: the model's, else 0.6)")
     p.add_argument(
-        "--length-penalty", choices=["gnmt", "average"], help="gnmt (paper) or average (fairseq/HF); default: the model's, else gnmt"
+        "--length-penalty",
+        choices=["gnmt", "average"],
+        help="gnmt (paper) or average (fairseq/HF); default: the model's, else gnmt",
     )
     p.add_argument(
         "--dtype",

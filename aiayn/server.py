@@ -686,7 +686,7 @@ def serve(
 
     listener = listen(host, port)  # before the model loads: a port in use is said at once
     search = replace(load_search(model_dir), beam_size=config.beam_size)  # alpha, penalty: the model's
-    if engine == "ctranslate2":  # CTranslate2's beam search has only the average length penalty
+    if engine == "ctranslate2" and search.length_penalty != "average":  # CTranslate2 has only that one
         search = replace(search, length_penalty="average")
         log.warning("--engine ctranslate2: beams use the average length penalty, score / |Y|^alpha")
     try:

@@ -390,18 +390,22 @@ def test_translate_starts_from_the_models_search_json_and_flags_override_it(work
     own = tmp_path / "own"
     shutil.copytree(model, own, ignore=shutil.ignore_patterns("checkpoints"))
     assert checkpoint.load_search(own) == SearchConfig()  # trained with TrainConfig's default: §6.1's
-    (own / checkpoint.SEARCH).write_text(json.dumps({"beam_size": 3, "alpha": 1.0, "length_penalty": "average"}))
+    own_search = {"beam_size": 3, "alpha": 1.0, "length_penalty": "average"}
+    (own / checkpoint.SEARCH).write_text(json.dumps(own_search))
 
     def flags(**given):
-        return argparse.Namespace(**{"model": own, "beam_size": None, "alpha": None, "length_penalty": None, **given})
+        unset = {"beam_size": None, "alpha": None, "length_penalty": None}
+        return argparse.Namespace(**{"model": own, **unset, **given})
 
     assert search_config_from(flags()) == SearchConfig(beam_size=3, alpha=1.0, length_penalty="average")
     assert search_config_from(flags(alpha=0.2), n_best=5) == SearchConfig(
         beam_size=5, alpha=0.2, length_penalty="average", n_best=5
     )
     outputs = {}
-    for name, extra in (("plain", []), ("explicit", ["--beam-size", 3, "--alpha", 1.0, "--length-penalty", "average"])):
-        code, _, stderr = run(["translate", own, "--input", root / "test.en", "--output", tmp_path / name, "--quiet", *extra])
+    explicit = ["--beam-size", 3, "--alpha", 1.0, "--length-penalty", "average"]
+    for name, extra in (("plain", []), ("explicit", explicit)):
+        argv = ["translate", own, "--input", root / "test.en", "--output", tmp_path / name, "--quiet"]
+        code, _, stderr = run(argv + extra)
         assert code == 0, stderr
         outputs[name] = (tmp_path / name).read_text()
     assert outputs["plain"] == outputs["explicit"]
