@@ -296,7 +296,15 @@ def search_config_from(args: argparse.Namespace, n_best: int = 1) -> SearchConfi
 def load_translator(args: argparse.Namespace, search_config: SearchConfig):
     from aiayn.translate import Translator
 
-    return Translator.load(args.model, search_config, dtype=args.dtype, device=resolve_device(args.device))
+    device = resolve_device(args.device)
+    return Translator.load(
+        args.model,
+        search_config,
+        dtype=args.dtype,
+        device=device,
+        compile=args.compile,
+        shortlist=args.shortlist,
+    )
 
 
 def as_lines(texts: list[str]) -> str:
@@ -383,6 +391,28 @@ def cmd_average(args: argparse.Namespace) -> None:
     print(json.dumps({"averaged": args.last, "out": str(dest)}))
 
 
+def cmd_shortlist(args: argparse.Namespace) -> None:
+    from aiayn.prepare import open_prepared
+    from aiayn.shortlist import VMAP_FILE, Shortlist
+    from aiayn.tokenizer import Tokenizer
+
+    data = open_prepared(args.data or Path(args.model) / "data")
+    tokenizer = Tokenizer.load(args.model)
+    if (
+        tokenizer.src_tokens() != data.tokenizer.src_tokens()
+        or tokenizer.tgt_tokens() != data.tokenizer.tgt_tokens()
+    ):
+        raise ValueError(f"{data.directory} was prepared with another vocabulary than {args.model}'s")
+    src, tgt = [data.src[i] for i in range(len(data.src))], [data.tgt[i] for i in range(len(data.tgt))]
+    shortlist = Shortlist.learn(
+        src, tgt, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, per_token=args.per_token,
+        frequent=args.frequent,
+    )  # fmt: skip
+    out = Path(args.model) / VMAP_FILE
+    shortlist.save(out, tokenizer)
+    print(json.dumps({"out": str(out), "pairs": len(src), "always": len(shortlist.always)}))
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     extra = {"ctranslate2": "dev", "keras": "keras"}[args.format]
     try:  # each format needs an optional package
@@ -444,7 +474,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     resolve_dtype(args.dtype, resolve_device(args.device))
     serve(
         args.model, config, host=args.host, port=args.port, device=args.device, dtype=args.dtype, threads=args.threads,
-        engine=args.engine, api_key=args.api_key, cors_origins=tuple(args.cors_origin),
+        engine=args.engine, api_key=args.api_key, cors_origins=tuple(args.cors_origin), compile=args.compile,
+        shortlist=args.shortlist,
     )  # fmt: skip
 
 
@@ -496,7 +527,23 @@ def search_flags(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_DTYPE,
         help="auto (default): bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU; fp16: CUDA",
     )
+    compile_flag(p)
     device_flag(p)
+
+
+def compile_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a compiled step (torch.compile): faster, after compiling once per batch size "
+        "(cached for later runs; README, Speed)",
+    )
+    p.add_argument(
+        "--shortlist",
+        action="store_true",
+        help="compute the output layer only for each batch's candidate tokens (the model's vmap.txt, "
+        "from `aiayn shortlist`)",
+    )
 
 
 def device_flag(p: argparse.ArgumentParser) -> None:
@@ -621,6 +668,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_average)
 
+    p = sub.add_parser("shortlist", help="learn the output-layer shortlist (vmap.txt) of a model")
+    p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
+    p.add_argument("--data", help="a prepared corpus (default: the model directory's data/)")
+    p.add_argument("--per-token", type=int, default=20, help="target candidates per source token (20)")
+    p.add_argument("--frequent", type=int, default=100, help="most frequent target tokens, always in (100)")
+    p.set_defaults(func=cmd_shortlist)
+
     p = sub.add_parser("export", help="write a model directory for another inference engine")
     p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
     p.add_argument(
@@ -647,6 +701,7 @@ def parser() -> argparse.ArgumentParser:
     device_flag(p)
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16", "int8"], default=DEFAULT_DTYPE)
     p.add_argument("--threads", type=int, help="PyTorch (or CTranslate2) threads of the model worker")
+    compile_flag(p)
     p.add_argument(
         "--engine",
         choices=["torch", "ctranslate2"],

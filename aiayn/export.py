@@ -21,6 +21,7 @@ from aiayn.config import SearchConfig, save_json
 from aiayn.files import fsync_dir
 from aiayn.model import CrossAttention, FeedForward, SelfAttention, Transformer
 from aiayn.search import Hypothesis, length_penalty
+from aiayn.shortlist import VMAP_FILE
 from aiayn.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, UNK_ID, Tokenizer
 
 AIAYN_CONFIG = "aiayn_config.json"  # our ModelConfig; CTranslate2 writes its own config.json beside it
@@ -142,6 +143,8 @@ def export_ctranslate2(
     model = load_model(model_dir)
     tokenizer = Tokenizer.load(model_dir)
     spec = ctranslate2_spec(model, tokenizer)
+    if (model_dir / VMAP_FILE).is_file():  # the shortlist, for translate_batch(use_vmap=True)
+        spec.register_vocabulary_mapping(str(model_dir / VMAP_FILE))
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))

@@ -78,11 +78,8 @@ class SelfAttention(MultiHeadAttention):
         they are added to it and attend to all of them (§3.2.3: each position sees itself and earlier)."""
         q, k, v = self.in_proj(x).chunk(3, dim=-1)  # 3 x (B, L, D)
         if cache is not None:
-            start = cache.length
-            k, v = cache.append(k, v)  # 2 x (B, start + L, D)
-            # position start+i sees [0, start+i]; SDPA's is_causal would align the corner wrongly here
-            mask = None if x.size(1) == 1 else cache_causal_mask(start, cache.length, x.device)  # (L, end)
-            causal = False
+            k, v, mask = cache.append(k, v)  # 2 x (B, M, D): every position so far; mask (L, M) or None
+            causal = False  # the cache's mask says what each new position sees
         return self.attend(q, k, v, mask, causal)
 
 
@@ -213,8 +210,14 @@ class Embedding(nn.Module):
             self.table = sinusoids(max(end, 2 * self.table.size(0)), self.d_model).to(self.table)
         return self.table[:end]
 
-    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
+    def forward(self, ids: Tensor, start: int | Tensor = 0) -> Tensor:
+        """ids (B, L) at positions start..start+L-1; start may be a (1,) tensor (a compiled decoding step
+        reads its position from a tensor, so that one graph serves every step; then L is 1)."""
         x = self.tokens(ids) * math.sqrt(self.d_model)  # (B, L, D)
+        if isinstance(start, Tensor):
+            # the caller made the table long enough (position_table(T_max)) before the first step
+            table = self.positions.weight if self.learned else self.table  # (P, D)
+            return self.dropout(x + table.index_select(0, start))  # (B, 1, D)
         x = x + self.position_table(start + ids.size(1))[start:]  # (B, L, D)
         return self.dropout(x)
 
@@ -292,13 +295,16 @@ class LayerCache:
     cross_v: Tensor  # (B, S, D)
     length: int = 0  # target positions filled
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write L new positions' keys and values (R, L, D); returns all filled ones (R, length, D)."""
-        end = self.length + k.size(1)
-        self.self_k[:, self.length : end] = k
-        self.self_v[:, self.length : end] = v
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Write L new positions' keys and values (R, L, D); returns all filled ones (R, M, D), M = length,
+        and the (L, M) mask of what each new position sees (None for one position: all of them)."""
+        start, end = self.length, self.length + k.size(1)
+        self.self_k[:, start:end] = k
+        self.self_v[:, start:end] = v
         self.length = end
-        return self.self_k[:, :end], self.self_v[:, :end]
+        # position start+i sees [0, start+i]; SDPA's is_causal would align the corner wrongly here
+        mask = None if k.size(1) == 1 else cache_causal_mask(start, end, k.device)  # (L, M)
+        return self.self_k[:, :end], self.self_v[:, :end], mask
 
 
 @dataclass
@@ -307,6 +313,8 @@ class DecoderCache:
 
     layers: list[LayerCache]
     src_mask: Tensor | None  # (B, 1, 1, S), one row per sentence
+    vocabulary: Tensor | None = None  # (V',) a shortlist: the only target ids given logits; None: all
+    output: Tensor | None = None  # (V', D) their rows of the output projection, gathered once
 
     @property
     def length(self) -> int:
@@ -361,6 +369,7 @@ class Memory:
 
     states: Tensor  # (B, S, D)
     src_mask: Tensor | None  # (B, 1, 1, S) True at real tokens; None when nothing is padded
+    vocabulary: Tensor | None = None  # (V',) the target ids decoding may produce (shortlist.py); None: all
 
 
 class Transformer(nn.Module):
@@ -423,7 +432,15 @@ class Transformer(nn.Module):
             k, v = layer.cross_attn.project_kv(memory.states)  # 2 x (B, S, D)
             self_k, self_v, spare_k, spare_v = k.new_empty(4, B, max_len, D)  # 4 x (B, T_max, D)
             layers.append(LayerCache(self_k, self_v, spare_k, spare_v, k, v))
-        return DecoderCache(layers, memory.src_mask)
+        return DecoderCache(layers, memory.src_mask, memory.vocabulary, self.output_rows(memory.vocabulary))
+
+    def output_rows(self, vocabulary: Tensor | None) -> Tensor | None:
+        """(V', D) the output projection's rows of a shortlist (V',), once per batch; None for all."""
+        if vocabulary is None:
+            return None
+        weight = self.generator.weight
+        weight = weight() if callable(weight) else weight  # a dynamically quantised Linear's is a method
+        return weight.dequantize().index_select(0, vocabulary) if weight.is_quantized else weight[vocabulary]
 
     def decode(
         self,
@@ -449,7 +466,13 @@ class Transformer(nn.Module):
                 y = layer(y, None, cache.src_mask, layer_cache)  # (R, L, D)
         if where is not None:  # only the positions that are asked for reach the vocabulary projection
             y = y[where]  # (n, D)
-        return self.generator(self.decoder_norm(y))  # (R, L, V) or (n, V)
+        y = self.decoder_norm(y)
+        if cache is None or cache.vocabulary is None:
+            return self.generator(y)  # (R, L, V) or (n, V)
+        # a shortlist: logits of its tokens only; the others get -inf, probability 0 after the softmax
+        short = F.linear(y, cache.output)  # (R, L, V')
+        logits = short.new_full((*short.shape[:-1], self.config.tgt_vocab_size), float("-inf"))  # (R, L, V)
+        return logits.index_copy_(-1, cache.vocabulary, short)  # (R, L, V)
 
     def forward(self, src: Tensor, tgt_in: Tensor, where: Tensor | None = None) -> Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, V). Softmax and loss live in train.py.

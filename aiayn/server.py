@@ -676,6 +676,8 @@ def serve(
     engine: str = "torch",
     api_key: str | None = None,
     cors_origins: tuple[str, ...] = (),
+    compile: bool = False,
+    shortlist: bool = False,
 ) -> None:
     """Load the model and serve it until Ctrl-C or SIGTERM (then what is queued is answered first)."""
     import tempfile
@@ -690,7 +692,14 @@ def serve(
         search = replace(search, length_penalty="average")
         log.warning("--engine ctranslate2: beams use the average length penalty, score / |Y|^alpha")
     try:
-        translator = Translator.load(model_dir, search, dtype=dtype, device=resolve_device(device))
+        translator = Translator.load(
+            model_dir,
+            search,
+            dtype=dtype,
+            device=resolve_device(device),
+            compile=compile,
+            shortlist=shortlist,
+        )
     except BaseException:
         listener.close()
         raise

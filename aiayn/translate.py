@@ -10,10 +10,12 @@ import torch
 from tqdm import tqdm
 
 from aiayn.checkpoint import load_model, load_search
+from aiayn.compiled import CompiledDecoder
 from aiayn.config import SearchConfig
 from aiayn.model import Transformer
 from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, default_device, for_inference
 from aiayn.search import Hypothesis, max_lengths, search
+from aiayn.shortlist import Shortlist, Shortlisted, load_shortlist
 from aiayn.tokenizer import PAD_ID, Tokenizer
 
 
@@ -31,6 +33,8 @@ class Translator:
         search_config: SearchConfig | None = None,
         dtype: Dtype = DEFAULT_DTYPE,
         batch_tokens: int = 4096,
+        compile: bool = False,
+        shortlist: Shortlist | None = None,
     ):
         if tokenizer.src_vocab_size != model.config.src_vocab_size or (
             tokenizer.tgt_vocab_size != model.config.tgt_vocab_size
@@ -46,6 +50,11 @@ class Translator:
         self.search_config = search_config or SearchConfig()
         self.dtype = dtype
         self.batch_tokens = batch_tokens  # source tokens x beam per batch
+        # search runs on the model itself, or on its compiled decoding step (compiled.py), with or
+        # without an output-layer shortlist (shortlist.py)
+        self.decoder = CompiledDecoder(self.model) if compile else self.model
+        if shortlist is not None:
+            self.decoder = Shortlisted(self.decoder, shortlist)
 
     @classmethod
     def load(
@@ -54,14 +63,21 @@ class Translator:
         search_config: SearchConfig | None = None,
         dtype: Dtype = DEFAULT_DTYPE,
         device: str | torch.device | None = None,
+        compile: bool = False,
+        shortlist: bool = False,
     ) -> Translator:
         """A model directory, in the layout and number format that translate fastest (for_inference);
-        without a search_config, the one the model directory names (search.json), else §6.1's."""
+        without a search_config, the one the model directory names (search.json), else §6.1's.
+        compile: decode with a compiled step (compiled.py; the first batch of each size compiles).
+        shortlist: restrict the output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
         device = torch.device(device) if device is not None else default_device()
         configure(device)
         model = load_model(directory, device)
         search_config = search_config or load_search(directory)  # the model's own, else §6.1's
-        return cls(for_inference(model, dtype), Tokenizer.load(directory), search_config, dtype)
+        tokenizer = Tokenizer.load(directory)
+        candidates = load_shortlist(directory, tokenizer) if shortlist else None
+        model = for_inference(model, dtype)
+        return cls(model, tokenizer, search_config, dtype, compile=compile, shortlist=candidates)
 
     @property
     def device(self) -> torch.device:
@@ -116,7 +132,7 @@ class Translator:
                 max_len = max_lengths(src, search_config)  # (B,)
                 if learned:
                     max_len = max_len.clamp(max=config.max_positions)
-                for i, hyps in zip(batch, search(self.model, src, search_config, max_len=max_len)):
+                for i, hyps in zip(batch, search(self.decoder, src, search_config, max_len=max_len)):
                     results[i] = hyps
                 bar.update(len(batch))
         bar.close()

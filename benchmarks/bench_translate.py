@@ -35,12 +35,14 @@ from common import (  # noqa: E402
     machine,
     marian_model,
     median,
+    native_bf16,
     pad,
     random_sentences,
     set_threads,
     steal_ticks,
 )
 
+from aiayn.compiled import CompiledDecoder  # noqa: E402
 from aiayn.config import SearchConfig  # noqa: E402
 from aiayn.precision import autocast, for_inference  # noqa: E402
 from aiayn.search import search  # noqa: E402
@@ -48,8 +50,9 @@ from aiayn.search import search  # noqa: E402
 NEW_TOKENS = 24
 
 
-def aiayn_translator(shape: dict, dtype: str):
-    model = NoEos(for_inference(aiayn_model(shape), dtype))  # as Translator.load prepares it
+def aiayn_translator(shape: dict, dtype: str, compile: bool = False):
+    model = for_inference(aiayn_model(shape), dtype)  # as Translator.load prepares it
+    model = NoEos(CompiledDecoder(model) if compile else model)
 
     def run(batch: list[list[int]], beam: int) -> None:
         config = SearchConfig(beam_size=beam)
@@ -210,11 +213,16 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=256, help="sentences for batch 32")
     ap.add_argument("--latency-sentences", type=int, default=32, help="sentences for batch 1")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--systems", help="comma-separated names to run (default: all there are)")
     args = ap.parse_args()
     set_threads()
     print(f"machine: {machine()}")
     notes = []
-    makers = {"aiayn": aiayn_translator, "torch.nn (recompute)": torch_translator}
+    makers = {
+        "aiayn": aiayn_translator,
+        "aiayn compiled": lambda shape, dtype: aiayn_translator(shape, dtype, compile=True),
+        "torch.nn (recompute)": torch_translator,
+    }
     if have("transformers"):
         makers["marian generate"] = marian_translator
     else:
@@ -227,11 +235,21 @@ def main() -> None:
             )
     else:
         notes.append("ctranslate2 not installed: skipped")
+    if args.systems:
+        wanted = args.systems.split(",")
+        unknown = sorted(set(wanted) - set(makers))
+        if unknown:
+            ap.error(f"unknown systems {unknown}; there are {sorted(makers)}")
+        makers = {name: make for name, make in makers.items() if name in wanted}
+    dtypes = args.dtypes.split(",")
+    if "bf16" in dtypes and not native_bf16():
+        dtypes.remove("bf16")
+        notes.append("bf16 skipped: this CPU has neither AVX512-BF16 nor AMX (no native bf16)")
     results, steal0 = [], steal_ticks()
     for config in args.configs.split(","):
         shape = CONFIGS[config]
         sentences = random_sentences(256, shape["vocab"], seed=4321)
-        for dtype in args.dtypes.split(","):
+        for dtype in dtypes:
             systems = {}
             for name, make in makers.items():
                 if name.startswith("ctranslate2") and dtype == "bf16" and not torch._C._cpu._init_amx():
@@ -288,7 +306,7 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def ratios(results: list[dict]) -> dict:
-    """aiayn / each peer at the same config, precision, search and batch size."""
+    """Each aiayn system / each peer at the same config, precision, search and batch size."""
     out, lines = {}, []
     cells = sorted({(r["config"], r["dtype"], r["search"], r["batch"]) for r in results})
     for cell in cells:
@@ -297,14 +315,13 @@ def ratios(results: list[dict]) -> dict:
             for r in results
             if (r["config"], r["dtype"], r["search"], r["batch"]) == cell
         }
-        if "aiayn" not in rows:
-            continue
-        key = "{}/{}/{}/bs{}".format(*cell)
-        out[key] = {f"vs {name}": rows["aiayn"] / v for name, v in rows.items() if name != "aiayn"}
-        ct2 = [v for name, v in rows.items() if name.startswith("ctranslate2")]
-        if ct2:
-            out[key]["vs ctranslate2 (faster setting)"] = rows["aiayn"] / max(ct2)
-        lines.append(key + ": " + ", ".join(f"{k} {v:.2f}x" for k, v in out[key].items()))
+        for ours in [name for name in rows if name.startswith("aiayn")]:
+            key = "{}/{}/{}/bs{}".format(*cell) + ("" if ours == "aiayn" else f" ({ours})")
+            out[key] = {f"vs {name}": rows[ours] / v for name, v in rows.items() if name != ours}
+            ct2 = [v for name, v in rows.items() if name.startswith("ctranslate2")]
+            if ct2:
+                out[key]["vs ctranslate2 (faster setting)"] = rows[ours] / max(ct2)
+            lines.append(key + ": " + ", ".join(f"{k} {v:.2f}x" for k, v in out[key].items()))
     return {"ratios": out, "lines": lines}
 
 

@@ -69,6 +69,11 @@ def gemm_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 4096), reps: i
     return best
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles) rather than emulating it."""
+    return bool(torch._C._cpu._is_avx512_bf16_supported() or torch._C._cpu._init_amx())
+
+
 def alternate(systems: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
     """Run each system's measurement once per round, A B C A B C ..., after one warm-up round.
 

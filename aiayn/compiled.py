@@ -1,0 +1,184 @@
+"""A decoding step of fixed shapes, compiled with torch.compile: a static key/value cache, the position
+as a tensor, the batch padded to a fixed number of rows. Eager decoding (model.py) is the reference.
+
+Shapes: as model.py. R rows of the cache (B sentences x N hypotheses), B_max sentences it was made for,
+T_max target positions, S source positions, V vocabulary.
+
+Why: at one sentence a decoding step of a small model is about 140 PyTorch operator calls of 5-20 us
+each whatever their size; one compiled graph per (rows, dtype) runs the step as a few fused kernels.
+Nothing in a step may change a shape or a Python value the graph depends on, or torch.compile traces
+it again (a recompilation), so:
+- every layer's self-attention keys/values live in (R, T_max, D) buffers written at a position held
+  in a (1,) tensor; attention reads all T_max positions through a mask (positions <= the current one);
+- a batch is padded to R rows; when sentences finish, search drops them and the rows left over
+  repeat the last live one (computed, never read);
+- the source length S and T_max are marked dynamic: one graph serves every batch of the same rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from aiayn.model import Memory, Transformer
+from aiayn.tokenizer import PAD_ID
+
+
+@dataclass
+class StaticLayerCache:
+    """One decoder layer's keys and values for a compiled step: every buffer keeps its shape."""
+
+    self_k: Tensor  # (R, T_max, D); positions past `length` hold garbage and are masked
+    self_v: Tensor  # (R, T_max, D)
+    cross_k: Tensor  # (B, S, D) from the encoder output, computed once
+    cross_v: Tensor  # (B, S, D)
+    length: Tensor  # (1,) int64 shared by all layers: positions written before this step
+    positions: Tensor  # (T_max,) 0..T_max-1, shared
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Write one new position's keys and values (R, 1, D); returns all T_max positions (R, T_max, D)
+        and the (1, T_max) mask of the written ones, the new one included. StaticCache.advance moves on."""
+        self.self_k.index_copy_(1, self.length, k)
+        self.self_v.index_copy_(1, self.length, v)
+        mask = (self.positions <= self.length)[None]  # (1, T_max)
+        return self.self_k, self.self_v, mask
+
+
+@dataclass
+class StaticCache:
+    """What a compiled decoding step keeps between steps; the same interface as model.DecoderCache."""
+
+    layers: list[StaticLayerCache]
+    src_mask: Tensor  # (B, 1, 1, S), never None: a graph for "no padding" would be a second graph
+    rows: int  # R: the rows every step computes; search uses the first ones, the others repeat the last
+    spare: Tensor  # (R, T_max, D), where `reorder` gathers into before swapping
+    vocabulary: Tensor | None = None  # (V',) a shortlist, as model.DecoderCache
+    output: Tensor | None = None  # (V', D)
+
+    @property
+    def length(self) -> Tensor:
+        return self.layers[0].length
+
+    def advance(self) -> None:
+        """After a step: its position is written in every layer."""
+        self.length.add_(1)
+
+    def expand(self, n: int) -> None:
+        """n rows per sentence (beam search): the buffers grow to R * n rows, once per batch."""
+        B = self.layers[0].cross_k.size(0)
+        index = torch.arange(B, device=self.length.device).repeat_interleave(n)  # (B*n,)
+        for layer in self.layers:
+            layer.self_k = layer.self_k.index_select(0, index)  # (B*n, T_max, D)
+            layer.self_v = layer.self_v.index_select(0, index)
+        self.rows *= n
+        self.spare = torch.empty_like(self.layers[0].self_k)
+
+    def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
+        """index (R',), R' <= R: the rows that make the new ones; sentences (B',): those that stay."""
+        index = _pad(index, self.rows)  # (R,)
+        for layer in self.layers:
+            torch.index_select(layer.self_k, 0, index, out=self.spare)
+            layer.self_k, self.spare = self.spare, layer.self_k
+            torch.index_select(layer.self_v, 0, index, out=self.spare)
+            layer.self_v, self.spare = self.spare, layer.self_v
+            if sentences is not None:
+                keep = _pad(sentences, layer.cross_k.size(0))  # (B,)
+                layer.cross_k = layer.cross_k.index_select(0, keep)
+                layer.cross_v = layer.cross_v.index_select(0, keep)
+        if sentences is not None:
+            self.src_mask = self.src_mask.index_select(0, _pad(sentences, self.src_mask.size(0)))
+
+
+def _pad(index: Tensor, n: int) -> Tensor:
+    """index (m,), m <= n, followed by copies of its last element: (n,)."""
+    return torch.cat([index, index[-1:].expand(n - index.numel())])
+
+
+class CompiledDecoder:
+    """The narrow model interface of search.py (encode, new_cache, decode) over a compiled step.
+
+    rows: sentences are padded up to a power of two (1, 2, 4, ... sentences), so that a file's last,
+    shorter batch reuses a graph instead of compiling another.
+    """
+
+    def __init__(self, model: Transformer, **options):
+        # Each row count is a graph of its own (greedy 1, 2, 4, ... 64 sentences; beams times that):
+        # more than dynamo's default of 8 per function, after which it would quietly run eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True  # never a silent fall back to eager
+        self.model = model.eval()
+        self.config = model.config
+        # max_autotune: inductor times its own C++ GEMM kernels against the BLAS call for each matrix
+        # product of the step and keeps the faster: at a few rows MKL's sgemm is slow on AMD CPUs.
+        self.options = {"max_autotune": True, **options}
+
+        def step(tokens: Tensor, cache: StaticCache) -> Tensor:
+            """tokens (R, 1) -> logits (R, 1, V) at the cache's next position: the graph compiled."""
+            logits = model.decode(tokens, None, cache)  # type: ignore[arg-type]
+            cache.advance()
+            return logits
+
+        self.step = torch.compile(step, fullgraph=True, options=self.options)
+        self.compile_seconds = 0.0  # the first call of each graph, compile included
+        self._seen: set[tuple[int, torch.dtype]] = set()
+
+    def encode(self, src: Tensor) -> Memory:
+        """src (B, S) -> memory of B_max = 2^k >= B sentences; the rows past B are copies of row 0."""
+        B = src.size(0)
+        rows = 1 << (B - 1).bit_length()
+        if rows > B:
+            src = torch.cat([src, src[:1].expand(rows - B, -1)])  # (B_max, S)
+        memory = self.model.encode(src)
+        if memory.src_mask is None:
+            memory.src_mask = torch.ones(rows, 1, 1, src.size(1), dtype=torch.bool, device=src.device)
+        return memory
+
+    def new_cache(self, memory: Memory, max_len: int) -> StaticCache:
+        B, S, D = memory.states.shape
+        self.model.tgt_embed.position_table(max_len)  # long enough for every position the graph reads
+        device = memory.states.device
+        length = torch.zeros(1, dtype=torch.long, device=device)
+        positions = torch.arange(max_len, device=device)
+        layers = []
+        for layer in self.model.decoder:
+            k, v = layer.cross_attn.project_kv(memory.states)  # 2 x (B, S, D)
+            self_k, self_v = k.new_zeros(2, B, max_len, D)  # 2 x (B, T_max, D)
+            layers.append(StaticLayerCache(self_k, self_v, k, v, length, positions))
+        output = self.model.output_rows(memory.vocabulary)
+        return StaticCache(layers, memory.src_mask, B, torch.empty_like(self_k), memory.vocabulary, output)
+
+    def decode(self, tgt_in: Tensor, memory: Memory | None, cache: StaticCache | None = None) -> Tensor:
+        """tgt_in (R', 1), R' <= the cache's rows -> logits (R', 1, V)."""
+        assert cache is not None and tgt_in.size(1) == 1, "a compiled step decodes one position on a cache"
+        live = tgt_in.size(0)
+        if live < cache.rows:
+            tgt_in = torch.cat([tgt_in, tgt_in.new_full((cache.rows - live, 1), PAD_ID)])  # (R, 1)
+        tgt_in = tgt_in.contiguous()  # beam search passes a column of its tokens: strides are guarded too
+        self._mark_dynamic(cache)
+        key = (cache.rows, cache.layers[0].self_k.dtype)
+        start = time.perf_counter()
+        # freezing: the weights become constants, prepacked for the GEMM (inductor reads this setting
+        # outside torch.compile's options, so it is set around the call)
+        with torch._inductor.config.patch(freezing=True):
+            logits = self.step(tgt_in, cache)[:live]
+        if key not in self._seen:
+            self.compile_seconds += time.perf_counter() - start
+            self._seen.add(key)
+        return logits
+
+    @staticmethod
+    def _mark_dynamic(cache: StaticCache) -> None:
+        """S and T_max change from batch to batch; the rows and the model's sizes do not."""
+        for layer in cache.layers:
+            for t in (layer.self_k, layer.self_v):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            for t in (layer.cross_k, layer.cross_v):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(layer.positions, 0)
+        torch._dynamo.maybe_mark_dynamic(cache.src_mask, 3)
+        if cache.vocabulary is not None:  # a shortlist's size changes from batch to batch too
+            torch._dynamo.maybe_mark_dynamic(cache.vocabulary, 0)
+            torch._dynamo.maybe_mark_dynamic(cache.output, 0)

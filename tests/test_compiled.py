@@ -1,0 +1,65 @@
+"""The compiled decoding step (compiled.py) against eager decoding, and its graphs counted: a step that
+torch.compile traced again, or gave up on, must fail a test rather than run slowly unnoticed."""
+
+import pytest
+import torch
+
+from aiayn.compiled import CompiledDecoder
+from aiayn.config import SearchConfig, preset
+from aiayn.model import Transformer
+from aiayn.search import search
+from aiayn.tokenizer import EOS_ID, PAD_ID
+
+V = 60
+
+
+@pytest.fixture(scope="module")
+def decoders():
+    """A random tiny model whose EOS embedding is doubled: its outputs end after 0 to 29 tokens. Compiled
+    without max_autotune (which only chooses among GEMM kernels, and would double the suite's compile time)."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", vocab_size=V)).eval()
+    with torch.no_grad():
+        model.tgt_embed.tokens.weight[EOS_ID] *= 2
+    return model, CompiledDecoder(model, max_autotune=False)
+
+
+def sources(batch: int, width: int, seed: int) -> torch.Tensor:
+    """(batch, width) ids, every other sentence padded after half its width."""
+    generator = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, V, (batch, width), generator=generator)
+    src[1::2, width // 2 :] = PAD_ID
+    return src
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_compiled_search_returns_eager_hypotheses(decoders, beam_size):
+    """Same tokens and scores, with hypotheses finishing at different steps (rows leave the batch) and
+    a batch of 5 padded to 8 rows per hypothesis."""
+    model, compiled = decoders
+    src = sources(5, 9, seed=1)
+    config = SearchConfig(beam_size=beam_size, n_best=beam_size, max_len_b=20)
+    eager = search(model, src, config)
+    fast = search(compiled, src, config)
+    lengths = {len(h.tokens) for hyps in eager for h in hyps}
+    assert len(lengths) > 3, "the hypotheses should end at different steps"
+    assert [[h.tokens for h in hyps] for hyps in fast] == [[h.tokens for h in hyps] for hyps in eager]
+    for got, want in zip(fast, eager):
+        torch.testing.assert_close([h.score for h in got], [h.score for h in want], atol=1e-4, rtol=0)
+
+
+def test_one_graph_serves_every_source_length_and_batch_of_the_same_rows(decoders):
+    """After the first batch, other source lengths, output lengths and batch sizes up to the same power
+    of two run without tracing again; a batch of another row count must (the check can fail)."""
+    model, compiled = decoders
+    config = SearchConfig(beam_size=1, max_len_b=7)
+    search(compiled, sources(5, 9, seed=1), config)  # 8 rows: compiled here if not yet
+    seconds = compiled.compile_seconds
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for batch, width in ((6, 4), (7, 23), (8, 12)):
+            src = sources(batch, width, seed=batch)
+            expected = [h[0].tokens for h in search(model, src, config)]
+            assert [h[0].tokens for h in search(compiled, src, config)] == expected
+        assert compiled.compile_seconds == seconds
+        with pytest.raises(RuntimeError, match="(?i)recompil"):
+            search(compiled, sources(2, 9, seed=2), config)  # 2 rows: a new graph
