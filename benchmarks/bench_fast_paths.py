@@ -62,11 +62,17 @@ def main() -> None:
     for name in args.paths.split(","):
         translator = Translator.load(args.model, device="cpu", **PATHS[name])
         for search in ("greedy", "model"):
-            config = translator.search_config if search == "model" else replace(translator.search_config, beam_size=1)
+            config = (
+                translator.search_config
+                if search == "model"
+                else replace(translator.search_config, beam_size=1)
+            )
             times = []
             for _ in range(2):  # the first pass compiles what it needs
                 start = time.perf_counter()
-                hyps = translator.translate_ids(translator.tokenizer.encode_src(src), replace(config, n_best=1))
+                hyps = translator.translate_ids(
+                    translator.tokenizer.encode_src(src), replace(config, n_best=1)
+                )
                 times.append(time.perf_counter() - start)
             if search == "greedy":
                 greedy_ids[name] = [h[0].tokens for h in hyps]
