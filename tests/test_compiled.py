@@ -63,3 +63,13 @@ def test_one_graph_serves_every_source_length_and_batch_of_the_same_rows(decoder
         assert compiled.compile_seconds == seconds
         with pytest.raises(RuntimeError, match="(?i)recompil"):
             search(compiled, sources(2, 9, seed=2), config)  # 2 rows: a new graph
+
+
+def test_a_batch_over_max_sentences_decodes_eagerly(decoders):
+    model, _ = decoders
+    compiled = CompiledDecoder(model, max_sentences=2, max_autotune=False)
+    src = sources(3, 9, seed=3)
+    config = SearchConfig(beam_size=2, n_best=2, max_len_b=20)
+    want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
+    assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want
+    assert compiled.compile_seconds == 0.0  # nothing was compiled
