@@ -126,6 +126,9 @@ class CompiledDecoder:
             return logits
 
         self.step = torch.compile(step, fullgraph=True, options=self.options)
+        # the encoder and the cross-attention keys/values, once per batch: S is dynamic, rows are not
+        self.encoder_states = torch.compile(model.encoder_states, fullgraph=True, options=self.options)
+        self.cross_keys_values = torch.compile(model.cross_keys_values, fullgraph=True, options=self.options)
         self.compile_seconds = 0.0  # the first call of each graph, compile included
         self._seen: set[tuple[int, torch.dtype]] = set()
 
@@ -135,12 +138,18 @@ class CompiledDecoder:
         if B > self.max_sentences:
             return self.model.encode(src)
         rows = 1 << (B - 1).bit_length()
-        if rows > B:
-            src = torch.cat([src, src[:1].expand(rows - B, -1)])  # (B_max, S)
-        memory = self.model.encode(src)
-        if memory.src_mask is None:
-            memory.src_mask = torch.ones(rows, 1, 1, src.size(1), dtype=torch.bool, device=src.device)
-        return memory
+        # a new tensor either way: a caller's tensor made outside inference mode has other dispatch keys,
+        # which the graph is guarded on
+        src = torch.cat([src, src[:1].expand(rows - B, -1)])  # (B_max, S)
+        mask = self.model.src_mask(src)
+        if mask is None:
+            mask = torch.ones(
+                rows, 1, 1, src.size(1), dtype=torch.bool, device=src.device
+            )  # (B_max, 1, 1, S)
+        torch._dynamo.maybe_mark_dynamic(src, 1)
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
+        with torch._inductor.config.patch(freezing=True):
+            return Memory(self.encoder_states(src, mask), mask)  # states (B_max, S, D)
 
     def new_cache(self, memory: Memory, max_len: int) -> StaticCache | DecoderCache:
         B, S, D = memory.states.shape
@@ -151,8 +160,10 @@ class CompiledDecoder:
         length = torch.zeros(1, dtype=torch.long, device=device)
         positions = torch.arange(max_len, device=device)
         layers = []
-        for layer in self.model.decoder:
-            k, v = layer.cross_attn.project_kv(memory.states)  # 2 x (B, S, D)
+        torch._dynamo.maybe_mark_dynamic(memory.states, 1)
+        with torch._inductor.config.patch(freezing=True):
+            cross = self.cross_keys_values(memory.states)  # 2 x (B, S, D) per layer
+        for k, v in cross:
             self_k, self_v = k.new_zeros(2, B, max_len, D)  # 2 x (B, T_max, D)
             layers.append(StaticLayerCache(self_k, self_v, k, v, length, positions))
         output = self.model.output_rows(memory.vocabulary)

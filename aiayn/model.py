@@ -419,17 +419,25 @@ class Transformer(nn.Module):
     def encode(self, src: Tensor) -> Memory:
         """src (B, S) -> Memory with states (B, S, D)."""
         mask = self.src_mask(src)
+        return Memory(self.encoder_states(src, mask), mask)
+
+    def encoder_states(self, src: Tensor, mask: Tensor | None) -> Tensor:
+        """The encoder stack: src (B, S) ids and their (B, 1, 1, S) mask or None -> states (B, S, D)."""
         x = self.src_embed(src)  # (B, S, D)
         for layer in self.encoder:
             x = layer(x, mask)  # (B, S, D)
-        return Memory(self.encoder_norm(x), mask)
+        return self.encoder_norm(x)
+
+    def cross_keys_values(self, states: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each decoder layer's encoder-decoder keys and values of the encoder output (B, S, D), once
+        per batch: 2 x (B, S, D) per layer."""
+        return [layer.cross_attn.project_kv(states) for layer in self.decoder]
 
     def new_cache(self, memory: Memory, max_len: int) -> DecoderCache:
         """An empty cache for decoding up to max_len target positions; cross keys/values computed once."""
         B, S, D = memory.states.shape
         layers = []
-        for layer in self.decoder:
-            k, v = layer.cross_attn.project_kv(memory.states)  # 2 x (B, S, D)
+        for k, v in self.cross_keys_values(memory.states):  # 2 x (B, S, D) per layer
             self_k, self_v, spare_k, spare_v = k.new_empty(4, B, max_len, D)  # 4 x (B, T_max, D)
             layers.append(LayerCache(self_k, self_v, spare_k, spare_v, k, v))
         return DecoderCache(layers, memory.src_mask, memory.vocabulary, self.output_rows(memory.vocabulary))
@@ -438,9 +446,9 @@ class Transformer(nn.Module):
         """(V', D) the output projection's rows of a shortlist (V',), once per batch; None for all."""
         if vocabulary is None:
             return None
-        weight = self.generator.weight
-        weight = weight() if callable(weight) else weight  # a dynamically quantised Linear's is a method
-        return weight.dequantize().index_select(0, vocabulary) if weight.is_quantized else weight[vocabulary]
+        if hasattr(self.generator, "rows"):  # an int8 layer (precision.Int8Linear) dequantises its rows
+            return self.generator.rows(vocabulary)
+        return self.generator.weight[vocabulary]
 
     def decode(
         self,

@@ -7,10 +7,12 @@ where it is fast, CUDA or a CPU with AMX tiles, and fp32 elsewhere.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 from typing import Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 Dtype = Literal["auto", "fp32", "bf16", "fp16", "int8"]
 TrainDtype = Literal["auto", "fp32", "bf16", "fp16"]  # int8 is for translation only
@@ -71,10 +73,67 @@ def autocast(device: torch.device, dtype: Dtype) -> contextlib.AbstractContextMa
     return torch.autocast(device.type, dtype=torch.bfloat16 if resolved == "bf16" else torch.float16)
 
 
+@functools.cache
+def has_vnni() -> bool:
+    """Whether torch._int_mm runs on oneDNN's int8 kernels here (AVX512-VNNI, which PyTorch does not
+    report: read from /proc/cpuinfo); elsewhere it is a scalar loop."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
+    except OSError:  # not Linux: take the path that is vectorised everywhere
+        return False
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 and one scale per output row (symmetric: W ~ scale * W_int8).
+
+    With AVX512-VNNI the activations are quantised per row as well, on every call (W8A8, as CTranslate2's
+    int8), and `torch._int_mm` multiplies int8 by int8 into int32 (oneDNN). Without it, where `_int_mm`
+    is a scalar loop, only the weights are int8 and the activations go in as bf16
+    (`_weight_int8pack_mm`, vectorised for AVX2 and AVX-512 only with bf16 activations). Under
+    torch.compile the quantisation of the activations fuses into one kernel.
+    """
+
+    def __init__(self, linear: nn.Linear, w8a8: bool):
+        super().__init__()
+        weight = linear.weight.detach().float()  # (N, K)
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
+        q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
+        self.w8a8 = w8a8
+        # _int_mm wants (K, N); _weight_int8pack_mm the nn.Linear layout (N, K)
+        self.register_buffer("weight", q.t().contiguous() if w8a8 else q)
+        self.register_buffer("scale", scale if w8a8 else scale.bfloat16())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., K) float -> (..., N) float32."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).float()  # (M, K)
+        if self.w8a8:
+            x_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127  # (M, 1)
+            xq = (x / x_scale).round().clamp(-127, 127).to(torch.int8)  # (M, K)
+            y = torch._int_mm(xq, self.weight) * (x_scale * self.scale)  # (M, N) int32 -> float32
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.weight, self.scale).float()  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def rows(self, index: Tensor) -> Tensor:
+        """(len(index), K) float32: the weight's rows `index` dequantised (an output-layer shortlist)."""
+        q = self.weight.t() if self.w8a8 else self.weight  # (N, K)
+        return q.index_select(0, index).float() * self.scale.float().index_select(0, index)[:, None]
+
+    def extra_repr(self) -> str:
+        kind = "int8 x int8 (VNNI)" if self.w8a8 else "int8 weights, bf16 activations"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
 def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
     """The model as translation runs it; training and saving must keep using the original.
 
-    int8: a copy with every Linear layer dynamically quantised (int8 weights, activations per batch; CPU).
+    int8: a copy with every Linear layer an Int8Linear (int8 weights with a scale per output row; CPU).
     Otherwise the same model in eval mode with its Linear weights stored column-major on the CPU:
     the same numbers, but x W^T then streams W^T row by row, which the CPU GEMM runs 1.3-2x faster at the
     few rows of a decoding step (4-32 measured, about even at 128; README, Speed). safetensors refuses
@@ -84,7 +143,7 @@ def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
     if resolve_dtype(dtype, device) == "int8":
         if device.type != "cpu":
             raise ValueError("dtype int8 (dynamic quantisation) is for CPU translation; use bf16 on a GPU")
-        return torch.ao.quantization.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
+        return _int8_copy(model.eval(), w8a8=has_vnni())
     if device.type == "cpu":
         with torch.no_grad():
             for module in model.modules():
@@ -93,3 +152,13 @@ def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
                     # lookups do not mind the layout.
                     module.weight.data = module.weight.data.t().contiguous().t()  # (out, in), column-major
     return model.eval()
+
+
+def _int8_copy(model: nn.Module, w8a8: bool) -> nn.Module:
+    """A deep copy of model with every nn.Linear replaced by an Int8Linear (the model is left as it is)."""
+    quantised = copy.deepcopy(model)
+    for module in list(quantised.modules()):
+        for name, child in module.named_children():
+            if type(child) is nn.Linear:
+                setattr(module, name, Int8Linear(child, w8a8))
+    return quantised

@@ -7,6 +7,7 @@ import torch
 from aiayn.compiled import CompiledDecoder
 from aiayn.config import SearchConfig, preset
 from aiayn.model import Transformer
+from aiayn.precision import for_inference
 from aiayn.search import search
 from aiayn.tokenizer import EOS_ID, PAD_ID
 
@@ -73,3 +74,14 @@ def test_a_batch_over_max_sentences_decodes_eagerly(decoders):
     want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
     assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want
     assert compiled.compile_seconds == 0.0  # nothing was compiled
+
+
+def test_compiled_int8_returns_eager_int8_tokens(decoders):
+    """The int8 layers (precision.Int8Linear) compile into the same graph shape and give eager's tokens."""
+    model, _ = decoders
+    int8 = for_inference(model, "int8")
+    compiled = CompiledDecoder(int8, max_autotune=False)
+    src = sources(3, 9, seed=4)
+    config = SearchConfig(beam_size=2, n_best=2, max_len_b=20)
+    want = [[h.tokens for h in hyps] for hyps in search(int8, src, config)]
+    assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want

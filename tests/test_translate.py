@@ -6,7 +6,7 @@ import torch
 
 from aiayn.config import SearchConfig, preset
 from aiayn.model import Transformer
-from aiayn.precision import for_inference
+from aiayn.precision import Int8Linear, for_inference
 from aiayn.synthetic import generate
 from aiayn.tokenizer import BOS_ID, EOS_ID, Tokenizer
 from aiayn.translate import Translator
@@ -116,11 +116,11 @@ def test_bf16_gives_one_line_per_input(model, tokenizer):
 
 
 def test_int8_quantises_every_linear_and_stays_close_to_fp32(model, tokenizer):
-    """Dynamic int8: every projection (attention, feed-forward, output) holds int8 weights, the float
-    model is left as it was, and the log-probabilities stay close to fp32's."""
+    """int8: every projection (attention, feed-forward, output) holds int8 weights, the float model is
+    left as it was, and the log-probabilities stay close to fp32's."""
     int8 = Translator(for_inference(model, "int8"), tokenizer, SearchConfig(beam_size=2), dtype="int8")
     linears = [m for m in int8.model.modules() if type(m) is torch.nn.Linear]
-    quantised = [m for m in int8.model.modules() if type(m) is torch.ao.nn.quantized.dynamic.Linear]
+    quantised = [m for m in int8.model.modules() if type(m) is Int8Linear]
     assert not linears and len(quantised) == sum(type(m) is torch.nn.Linear for m in model.modules())
     outputs = int8.translate(INPUTS)
     assert len(outputs) == len(INPUTS) and outputs[1] == "" and outputs[7] == ""

@@ -1,0 +1,62 @@
+"""int8 inference layers (precision.Int8Linear) against the quantisation formulas written here."""
+
+import pytest
+import torch
+from torch import nn
+
+from aiayn.precision import Int8Linear, for_inference, has_vnni
+
+
+def quantise_rows(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: m ~ scale * q, q in [-127, 127], scale = max|row| / 127."""
+    scale = m.abs().amax(dim=1) / 127
+    return (m / scale[:, None]).round().clamp(-127, 127), scale
+
+
+@pytest.fixture
+def linear():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48)
+    return layer, torch.randn(5, 3, 64)
+
+
+def test_w8a8_is_integer_products_of_both_quantised_sides(linear):
+    layer, x = linear
+    wq, ws = quantise_rows(layer.weight.detach())
+    xq, xs = quantise_rows(x.reshape(-1, 64))
+    exact = (xq.long() @ wq.long().t()).double() * xs.double()[:, None] * ws.double()[
+        None
+    ] + layer.bias.double()
+    got = Int8Linear(layer, w8a8=True)(x)
+    assert got.shape == (5, 3, 48) and got.dtype == torch.float32
+    torch.testing.assert_close(got.reshape(-1, 48).double(), exact, atol=1e-4, rtol=1e-5)
+
+
+def test_weight_only_int8_uses_bf16_activations(linear):
+    layer, x = linear
+    wq, ws = quantise_rows(layer.weight.detach())
+    dequantised = wq * ws.bfloat16().float()[:, None]
+    expected = x.bfloat16().float() @ dequantised.t() + layer.bias.detach()
+    torch.testing.assert_close(Int8Linear(layer, w8a8=False)(x), expected, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("w8a8", [True, False])
+def test_int8_is_close_to_fp32_and_its_rows_dequantise(linear, w8a8):
+    layer, x = linear
+    int8 = Int8Linear(layer, w8a8)
+    with torch.no_grad():
+        reference = layer(x)
+    error = (int8(x) - reference).abs().max() / reference.abs().max()
+    assert 0 < error < 0.03  # another computation, but close
+    index = torch.tensor([3, 0, 47])
+    wq, ws = quantise_rows(layer.weight.detach()[index])
+    scale = ws if w8a8 else ws.bfloat16().float()
+    torch.testing.assert_close(int8.rows(index), wq * scale[:, None])
+
+
+def test_for_inference_int8_replaces_every_linear_of_a_copy():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
+    int8 = for_inference(model, "int8")
+    assert [type(m) for m in int8.modules() if isinstance(m, (nn.Linear, Int8Linear))] == [Int8Linear] * 2
+    assert all(m.w8a8 == has_vnni() for m in int8.modules() if isinstance(m, Int8Linear))
+    assert [type(m) for m in model.modules()].count(nn.Linear) == 2  # the float model is as it was
