@@ -37,6 +37,7 @@ PATHS = {  # name: Translator.load options
     "shortlist fp32": dict(dtype="fp32", shortlist=True),
     "compiled+shortlist fp32": dict(dtype="fp32", compile=True, shortlist=True),
     "eager int8": dict(dtype="int8"),
+    "compiled int8": dict(dtype="int8", compile=True),
 }
 
 
@@ -52,6 +53,12 @@ def main() -> None:
     ap.add_argument("--src", required=True)
     ap.add_argument("--ref", required=True)
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of: {', '.join(PATHS)}")
+    ap.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=4096,
+        help="source tokens x beam per batch (compiled: <= 32 sentences)",
+    )
     args = ap.parse_args()
     set_threads()
     src, ref = read(args.src), read(args.ref)
@@ -61,6 +68,7 @@ def main() -> None:
     rows, greedy_ids = [], {}
     for name in args.paths.split(","):
         translator = Translator.load(args.model, device="cpu", **PATHS[name])
+        translator.batch_tokens = args.batch_tokens
         for search in ("greedy", "model"):
             config = (
                 translator.search_config
