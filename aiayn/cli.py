@@ -393,10 +393,11 @@ def cmd_average(args: argparse.Namespace) -> None:
 
 def cmd_shortlist(args: argparse.Namespace) -> None:
     from aiayn.prepare import open_prepared
+    from aiayn.run import DATA
     from aiayn.shortlist import VMAP_FILE, Shortlist
     from aiayn.tokenizer import Tokenizer
 
-    data = open_prepared(args.data or Path(args.model) / "data")
+    data = open_prepared(args.data or Path(args.model) / DATA)
     tokenizer = Tokenizer.load(args.model)
     if (
         tokenizer.src_tokens() != data.tokenizer.src_tokens()

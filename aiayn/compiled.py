@@ -71,10 +71,10 @@ class StaticCache:
         B = self.layers[0].cross_k.size(0)
         index = torch.arange(B, device=self.length.device).repeat_interleave(n)  # (B*n,)
         for layer in self.layers:
-            layer.self_k = layer.self_k.index_select(0, index)  # (B*n, T_max, D)
-            layer.self_v = layer.self_v.index_select(0, index)
+            layer.self_k = _dynamic(layer.self_k.index_select(0, index), 1)  # (B*n, T_max, D)
+            layer.self_v = _dynamic(layer.self_v.index_select(0, index), 1)
         self.rows *= n
-        self.spare = torch.empty_like(self.layers[0].self_k)
+        self.spare = _dynamic(torch.empty_like(self.layers[0].self_k), 1)
 
     def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
         """index (R',), R' <= R: the rows that make the new ones; sentences (B',): those that stay."""
@@ -86,10 +86,17 @@ class StaticCache:
             layer.self_v, self.spare = self.spare, layer.self_v
             if sentences is not None:
                 keep = _pad(sentences, layer.cross_k.size(0))  # (B,)
-                layer.cross_k = layer.cross_k.index_select(0, keep)
-                layer.cross_v = layer.cross_v.index_select(0, keep)
+                layer.cross_k = _dynamic(layer.cross_k.index_select(0, keep), 1)
+                layer.cross_v = _dynamic(layer.cross_v.index_select(0, keep), 1)
         if sentences is not None:
-            self.src_mask = self.src_mask.index_select(0, _pad(sentences, self.src_mask.size(0)))
+            self.src_mask = _dynamic(self.src_mask.index_select(0, _pad(sentences, self.src_mask.size(0))), 3)
+
+
+def _dynamic(t: Tensor, dim: int) -> Tensor:
+    """t, its size along dim marked as one that changes from batch to batch (S, T_max, a shortlist's V'):
+    a graph compiled with it takes any size there. Every buffer a step reads is marked where it is made."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)
+    return t
 
 
 def _pad(index: Tensor, n: int) -> Tensor:
@@ -146,10 +153,9 @@ class CompiledDecoder:
             mask = torch.ones(
                 rows, 1, 1, src.size(1), dtype=torch.bool, device=src.device
             )  # (B_max, 1, 1, S)
-        torch._dynamo.maybe_mark_dynamic(src, 1)
-        torch._dynamo.maybe_mark_dynamic(mask, 3)
+        src, mask = _dynamic(src, 1), _dynamic(mask, 3)
         with torch._inductor.config.patch(freezing=True):
-            return Memory(self.encoder_states(src, mask), mask)  # states (B_max, S, D)
+            return Memory(_dynamic(self.encoder_states(src, mask), 1), mask)  # states (B_max, S, D)
 
     def new_cache(self, memory: Memory, max_len: int) -> StaticCache | DecoderCache:
         B, S, D = memory.states.shape
@@ -158,16 +164,19 @@ class CompiledDecoder:
         self.model.tgt_embed.position_table(max_len)  # long enough for every position the graph reads
         device = memory.states.device
         length = torch.zeros(1, dtype=torch.long, device=device)
-        positions = torch.arange(max_len, device=device)
+        positions = _dynamic(torch.arange(max_len, device=device), 0)
         layers = []
-        torch._dynamo.maybe_mark_dynamic(memory.states, 1)
         with torch._inductor.config.patch(freezing=True):
             cross = self.cross_keys_values(memory.states)  # 2 x (B, S, D) per layer
         for k, v in cross:
-            self_k, self_v = k.new_zeros(2, B, max_len, D)  # 2 x (B, T_max, D)
-            layers.append(StaticLayerCache(self_k, self_v, k, v, length, positions))
-        output = self.model.output_rows(memory.vocabulary)
-        return StaticCache(layers, memory.src_mask, B, torch.empty_like(self_k), memory.vocabulary, output)
+            self_k, self_v = (_dynamic(t, 1) for t in k.new_zeros(2, B, max_len, D))  # 2 x (B, T_max, D)
+            layers.append(StaticLayerCache(self_k, self_v, _dynamic(k, 1), _dynamic(v, 1), length, positions))
+        vocabulary = output = None
+        if memory.vocabulary is not None:  # a shortlist's size changes from batch to batch too
+            vocabulary = _dynamic(memory.vocabulary, 0)
+            output = _dynamic(self.model.output_rows(vocabulary), 0)
+        spare = _dynamic(torch.empty_like(self_k), 1)
+        return StaticCache(layers, _dynamic(memory.src_mask, 3), B, spare, vocabulary, output)
 
     def decode(
         self, tgt_in: Tensor, memory: Memory | None, cache: StaticCache | DecoderCache | None = None
@@ -180,7 +189,6 @@ class CompiledDecoder:
         if live < cache.rows:
             tgt_in = torch.cat([tgt_in, tgt_in.new_full((cache.rows - live, 1), PAD_ID)])  # (R, 1)
         tgt_in = tgt_in.contiguous()  # beam search passes a column of its tokens: strides are guarded too
-        self._mark_dynamic(cache)
         key = (cache.rows, cache.layers[0].self_k.dtype)
         start = time.perf_counter()
         # freezing: the weights become constants, prepacked for the GEMM (inductor reads this setting
@@ -191,17 +199,3 @@ class CompiledDecoder:
             self.compile_seconds += time.perf_counter() - start
             self._seen.add(key)
         return logits
-
-    @staticmethod
-    def _mark_dynamic(cache: StaticCache) -> None:
-        """S and T_max change from batch to batch; the rows and the model's sizes do not."""
-        for layer in cache.layers:
-            for t in (layer.self_k, layer.self_v):
-                torch._dynamo.maybe_mark_dynamic(t, 1)
-            for t in (layer.cross_k, layer.cross_v):
-                torch._dynamo.maybe_mark_dynamic(t, 1)
-            torch._dynamo.maybe_mark_dynamic(layer.positions, 0)
-        torch._dynamo.maybe_mark_dynamic(cache.src_mask, 3)
-        if cache.vocabulary is not None:  # a shortlist's size changes from batch to batch too
-            torch._dynamo.maybe_mark_dynamic(cache.vocabulary, 0)
-            torch._dynamo.maybe_mark_dynamic(cache.output, 0)

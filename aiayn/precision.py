@@ -142,7 +142,7 @@ def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
     device = next(model.parameters()).device
     if resolve_dtype(dtype, device) == "int8":
         if device.type != "cpu":
-            raise ValueError("dtype int8 (dynamic quantisation) is for CPU translation; use bf16 on a GPU")
+            raise ValueError("dtype int8 is for CPU translation; use bf16 on a GPU")
         return _int8_copy(model.eval(), w8a8=has_vnni())
     if device.type == "cpu":
         with torch.no_grad():

@@ -164,6 +164,6 @@ def _unique_per_sentence(sentences: list[np.ndarray]) -> tuple[np.ndarray, np.nd
     lengths = np.array([len(x) for x in sentences], dtype=np.int64)
     ids = np.concatenate(sentences).astype(np.int64) if len(sentences) else np.zeros(0, dtype=np.int64)
     sentence = np.repeat(np.arange(len(sentences)), lengths)
-    key = np.unique(sentence * (int(ids.max(initial=0)) + 1) + ids)
     width = int(ids.max(initial=0)) + 1
+    key = np.unique(sentence * width + ids)
     return key // width, key % width
