@@ -11,7 +11,7 @@ Configurations (both directions):
   batches, warmup 400, lr_scale 0.5) with the paper's schedule. It also keeps the checkpoints of its last
   20% (averaging needs only the budget's end), which gives three cells: none (its best model, greedy),
   averaging alone (the average of its last 5 checkpoints, greedy) and decoding alone (its best model with
-  translate's search (beam 4, alpha 0.6)).
+  the recipe's search: beam 4, the average length penalty).
 - budget: the same with the budget schedule, no averaging: budget schedule alone (greedy).
 - recipe: the low-resource recipe (no --preset: the corpus size picks it) with the paper's schedule,
   no averaging: recipe alone (greedy).
@@ -140,11 +140,13 @@ def cells(direction: str, seeds_all: tuple[int, ...], search: list[str]) -> dict
 
 
 def recipe_search() -> list[str]:
-    """The search a run's final validation and `translate` use (§6.1: beam 4, alpha 0.6)."""
-    from aiayn.config import SearchConfig
+    """The recipe's search (its beam size and length penalty), which the decoding cell gives the model
+    of before."""
+    from aiayn.config import RECIPES, SearchConfig
 
-    search = SearchConfig()
-    return ["--beam-size", str(search.beam_size), "--alpha", str(search.alpha)]
+    search = {**vars(SearchConfig()), **RECIPES["low-resource"].train}
+    return ["--beam-size", str(search["beam_size"]), "--alpha", str(search["alpha"]),
+            "--length-penalty", search["length_penalty"]]  # fmt: skip
 
 
 def plot(results: dict, path: Path) -> None:
