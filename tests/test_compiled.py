@@ -85,3 +85,25 @@ def test_compiled_int8_returns_eager_int8_tokens(decoders):
     config = SearchConfig(beam_size=2, n_best=2, max_len_b=20)
     want = [[h.tokens for h in hyps] for hyps in search(int8, src, config)]
     assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want
+
+
+def test_two_decoders_keep_their_own_weights(decoders):
+    """Two models of one architecture compiled in one process, called in turn: each decoder's graphs hold
+    its own model's weights (frozen in as constants), so each gives its own eager tokens."""
+    model, compiled = decoders
+    torch.manual_seed(1)
+    other = Transformer(preset("tiny", vocab_size=V)).eval()
+    with torch.no_grad():
+        other.tgt_embed.tokens.weight[EOS_ID] *= 2
+    second = CompiledDecoder(other, max_autotune=False)
+    src = sources(5, 9, seed=5)
+    config = SearchConfig(beam_size=1, max_len_b=20)
+    want = [[h[0].tokens for h in search(m, src, config)] for m in (model, other)]
+    assert want[0] != want[1]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert [h[0].tokens for h in search(second, src, config)] == want[1]
+    # the encoder, the cross-attention keys/values and the step, each traced once (sentences leaving the
+    # batch change no stride or aliasing the step's graph was traced for)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
+    for decoder, tokens in ((compiled, want[0]), (second, want[1]), (compiled, want[0]), (second, want[1])):
+        assert [h[0].tokens for h in search(decoder, src, config)] == tokens

@@ -16,6 +16,7 @@ import torch
 import uvicorn
 from fastapi.testclient import TestClient
 
+from aiayn.compiled import CompiledDecoder
 from aiayn.config import SearchConfig, ServeConfig
 from aiayn.model import attention_maps
 from aiayn.server import STATIC, Call, create_app, listen
@@ -266,6 +267,22 @@ def test_lines_of_concurrent_requests_share_a_batch_and_the_header_says_so(trans
         threading.Timer(0.5, release.set).start()
         responses = concurrent(c, [{"text": [text]} for text in INPUTS])
         assert [int(r.headers["X-Batch-Size"]) for r in responses] == [1, 1, 1]
+
+
+def test_a_compiled_step_serves_the_eager_translations(model_dir, translator):
+    """`aiayn serve --compile`: requests batched together in the worker thread decode through compiled
+    graphs (compiled.py) and get what the eager model gives."""
+    compiled = Translator.load(model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu", compile=True)
+    assert isinstance(compiled.decoder, CompiledDecoder)
+    # the server's path, not inductor's GEMM autotuning (which only picks kernels, and doubles the time)
+    compiled.decoder = CompiledDecoder(compiled.model, max_autotune=False)
+    with client_for(compiled, batch_wait_ms=300) as c:
+        release = block_worker(c.app, 5)  # the three requests queue up and decode as one batch
+        threading.Timer(0.5, release.set).start()
+        responses = concurrent(c, [{"text": [text]} for text in INPUTS])
+        assert [r.json()["translations"] for r in responses] == [translator.translate([t]) for t in INPUTS]
+        assert max(int(r.headers["X-Batch-Size"]) for r in responses) == 3
+    assert compiled.decoder.compile_seconds > 0  # a graph was made, and used
 
 
 # --- A real server: a client that goes away, a shutdown with requests pending ---------------------------
