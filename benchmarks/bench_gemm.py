@@ -1,7 +1,8 @@
 """Small-row matrix products of a decoding step, by kernel: microseconds per call (median of 5 x 200 calls,
 weights in cache). fp32: PyTorch's F.linear (MKL on x86) and oneDNN with a prepacked weight; int8:
 int8 weights with bf16 or fp32 activations (_weight_int8pack_mm), int8 x int8 (torch._int_mm, oneDNN
-with VNNI), and fbgemm's dynamic quantisation (the deprecated quantize_dynamic).
+with VNNI; and oneDNN's qlinear with a prepacked weight), and fbgemm's dynamic quantisation (the
+deprecated quantize_dynamic).
 
     python benchmarks/bench_gemm.py [--threads 2] [--rows 1,4,32]
 The last line printed is JSON.
@@ -59,8 +60,23 @@ def kernels(M: int, K: int, N: int) -> dict[str, float]:
         "int8_weights_bf16_act": timeit(lambda: torch.ops.aten._weight_int8pack_mm(xb, wq, sb)),
         "int8_weights_fp32_act": timeit(lambda: torch.ops.aten._weight_int8pack_mm(x, wq, scale)),
         "int_mm_int8": timeit(lambda: torch._int_mm(xq, wq_t)),
+        "onednn_qlinear": qlinear(M, K, N, wq, scale, b),
         "fbgemm_dynamic": timeit(lambda: fbgemm(x)),
     }  # fmt: skip
+
+
+def qlinear(M: int, K: int, N: int, wq: torch.Tensor, scale: torch.Tensor, b: torch.Tensor) -> float:
+    """oneDNN's int8 linear with a prepacked weight (what inductor lowers PT2E int8 to): int8 activations
+    with one scale for the whole (M, K) input, fp32 out with the bias added; NaN where this build lacks it."""
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(wq, [M, K])
+        xq = torch.randint(-127, 127, (M, K), dtype=torch.int8)
+        x_scale, zero = torch.tensor(0.02), torch.tensor(0, dtype=torch.int32)
+        w_zero = torch.zeros(N, dtype=torch.int32)
+        args = (xq, x_scale, zero, packed, scale, w_zero, b, 1.0, 0, torch.float32, "none", [], "")
+        return timeit(lambda: torch.ops.onednn.qlinear_pointwise.tensor(*args))
+    except (RuntimeError, AttributeError):
+        return float("nan")
 
 
 def main() -> None:
