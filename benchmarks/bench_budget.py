@@ -21,12 +21,17 @@ Configurations (both directions):
     python benchmarks/bench_budget.py [--only all-30,before-30,...] [--directions de-en,en-de] [--plot FILE]
 
 Prints a line per run as it ends, then the tables (markdown) and writes the BLEU-against-minutes plot.
+runs/ is scratch, lost with the machine; what each run measured is also kept in docs/m30k_budget.json
+(committed) with the machine and date it ran on, and the tables and plot are made from that record, so
+figures of runs trained in other sessions, on other CPUs, stay in them, each with its machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +42,7 @@ from common import machine  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 RUNS = ROOT / "runs" / "bench_budget"
+RECORD = ROOT / "docs" / "m30k_budget.json"
 AIAYN = [sys.executable, "-m", "aiayn"]
 
 BEFORE = ["--preset", "small", "--vocab-size", "6000", "--max-tokens", "2048",
@@ -82,18 +88,54 @@ def valid_files(direction: str, work: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def train(direction: str, config: str, seed: int) -> Path:
+def train(direction: str, config: str, seed: int) -> tuple[Path, bool]:
+    """The run's directory, and whether it was trained now (not found finished)."""
     flags, minutes, _ = CONFIGS[config]
     src, tgt = direction.split("-")
     out = RUNS / run_name(direction, config, seed)
     if finished(out):
-        return out
+        return out, False
     command = AIAYN + ["train", "--train", str(MULTI30K / "train"), "--valid", str(MULTI30K / "val"),
                        "--src-lang", src, "--tgt-lang", tgt, "--out", str(out), "--force", "--quiet",
                        "--max-minutes", str(minutes), *flags, "--set", f"seed={seed}"]  # fmt: skip
     print("$ " + " ".join(command[2:]), file=sys.stderr, flush=True)
     subprocess.run(command, check=True, cwd=ROOT)
-    return out
+    return out, True
+
+
+def load_record() -> dict:
+    """What runs measured, by run name, and the ablation's cells by direction (docs/m30k_budget.json)."""
+    if RECORD.is_file():
+        return json.loads(RECORD.read_text(encoding="utf-8"))
+    return {"runs": {}, "ablation": {}}
+
+
+def save_record(record: dict) -> None:
+    """Atomically: a run's figures cost up to an hour of CPU."""
+    tmp = RECORD.with_name(RECORD.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, RECORD)
+
+
+def record_run(record: dict, out: Path, trained: bool, config: str, direction: str, seed: int) -> dict:
+    """Add a finished run's figures to the record; one found finished on disk and already recorded keeps
+    its entry (its machine is the one it was trained on, not this one)."""
+    s = summary(out)
+    entry = {k: v for k, v in s.items() if k != "final"} | {"kept": s["final"]["kept"]}
+    if trained or out.name not in record["runs"]:
+        stamp = datetime.datetime.fromtimestamp(
+            (out / "metrics.jsonl").stat().st_mtime, datetime.timezone.utc
+        )
+        entry |= {"config": config, "direction": direction, "seed": seed, "machine": machine(),
+                  "date": stamp.date().isoformat()}  # fmt: skip
+        record["runs"][out.name] = entry
+    return record["runs"][out.name]
+
+
+def recorded(record: dict, direction: str, config: str) -> list[float]:
+    """The final BLEU of every recorded run of config in direction, by seed."""
+    runs = [r for r in record["runs"].values() if r["config"] == config and r["direction"] == direction]
+    return [r["final_bleu"] for r in sorted(runs, key=lambda r: r["seed"])]
 
 
 def evaluate(model: Path, direction: str, search: list[str]) -> float:
@@ -118,8 +160,8 @@ def summary(out: Path) -> dict:
     }
 
 
-def cells(direction: str, seeds_all: tuple[int, ...], search: list[str]) -> dict:
-    """The ablation's cells for one direction (runs that are missing are skipped)."""
+def cells(direction: str, search: list[str]) -> dict:
+    """The ablation's cells for one direction from the runs on disk (those missing are skipped)."""
     row: dict = {}
     before = RUNS / run_name(direction, "before-30", 1)
     if finished(before):
@@ -134,8 +176,6 @@ def cells(direction: str, seeds_all: tuple[int, ...], search: list[str]) -> dict
         out = RUNS / run_name(direction, config, 1)
         if finished(out):
             row[cell] = summary(out)["best_greedy"]
-    row["all"] = [summary(RUNS / run_name(direction, "all-30", s))["final_bleu"] for s in seeds_all
-                  if finished(RUNS / run_name(direction, "all-30", s))]  # fmt: skip
     return row
 
 
@@ -149,22 +189,37 @@ def recipe_search() -> list[str]:
             "--length-penalty", search["length_penalty"]]  # fmt: skip
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(record: dict, directions: list[str], path: Path) -> None:
+    """BLEU against minutes, a line per direction through the best run at each budget; each run's marker
+    names the CPU it trained on (minutes buy more updates on a faster one)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    runs = [r for r in record["runs"].values() if r["config"].startswith("all-")]
+    machines = sorted({r["machine"] for r in runs})
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, (direction, by_minutes) in enumerate(results.items()):
+    for i, direction in enumerate(directions):
+        mine = [r for r in runs if r["direction"] == direction]
+        by_minutes: dict[int, list[float]] = {}
+        for r in mine:
+            by_minutes.setdefault(int(r["config"][4:]), []).append(r["final_bleu"])
         xs = sorted(by_minutes)
-        ax.plot(xs, [max(by_minutes[x]) for x in xs], "o-", color=f"C{i}", label=f"{direction} (final, beam)")
-        for x in xs:
-            ax.plot([x] * len(by_minutes[x]), by_minutes[x], "o", color=f"C{i}", alpha=0.5)
+        ax.plot(xs, [max(by_minutes[x]) for x in xs], "-", color=f"C{i}", label=f"{direction} (final, beam)")
+        for r in mine:
+            ax.plot(
+                int(r["config"][4:]),
+                r["final_bleu"],
+                "osD^v"[machines.index(r["machine"]) % 5],
+                color=f"C{i}",
+            )
+    for j, m in enumerate(machines):  # "2 cores, AMD EPYC (family 26 ...), torch ..." -> the CPU alone
+        ax.plot([], [], "osD^v"[j % 5], color="gray", label=m.split(", torch")[0].removeprefix("2 cores, "))
     ax.set(xlabel="minutes of training (2-core CPU)", ylabel="validation sacreBLEU", xticks=[15, 30, 60],
            title="Multi30k, --preset low-resource")  # fmt: skip
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -182,47 +237,43 @@ def main() -> None:
     directions = args.directions.split(",")
     wanted = args.only.split(",") if args.only else list(CONFIGS)
     print(machine(), file=sys.stderr)
+    record = load_record()
     for config in wanted:
         for direction in directions:
             for seed in CONFIGS[config][2]:
                 if args.seeds and str(seed) not in args.seeds.split(","):
                     continue
-                out = train(direction, config, seed)
-                s = summary(out)
+                out, trained = train(direction, config, seed)
+                entry = record_run(record, out, trained, config, direction, seed)
+                save_record(record)
                 print(
-                    json.dumps({"run": out.name, **{k: v for k, v in s.items() if k != "curve"}}), flush=True
+                    json.dumps({"run": out.name, **{k: v for k, v in entry.items() if k != "curve"}}),
+                    flush=True,
                 )
     search = recipe_search()
     print("\n| direction | " + " | ".join(f"{m} min" for m in (15, 30, 60)) + " |")
     print("|---|---:|---:|---:|")
     by_direction = {}
     for direction in directions:
-        by_minutes = {}
-        for minutes in (15, 30, 60):
-            config = f"all-{minutes}"
-            scores = [summary(RUNS / run_name(direction, config, s))["final_bleu"] for s in CONFIGS[config][2]
-                      if finished(RUNS / run_name(direction, config, s))]  # fmt: skip
-            if scores:
-                by_minutes[minutes] = scores
-        by_direction[direction] = by_minutes
-        row = [" / ".join(f"{x:.2f}" for x in by_minutes.get(m, [])) or "-" for m in (15, 30, 60)]
+        by_minutes = {m: recorded(record, direction, f"all-{m}") for m in (15, 30, 60)}
+        by_direction[direction] = {m: scores for m, scores in by_minutes.items() if scores}
+        row = [" / ".join(f"{x:.2f}" for x in by_minutes[m]) or "-" for m in (15, 30, 60)]
         print(f"| {direction} | " + " | ".join(row) + " |")
     if any(by_direction.values()):
-        plot(by_direction, Path(args.plot))
+        plot(record, directions, Path(args.plot))
     print("\n| 30 minutes | none | budget schedule | averaging | recipe | decoding | all (seeds) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    table = {}
     for direction in directions:
-        row = cells(direction, CONFIGS["all-30"][2], search)
-        table[direction] = row
+        row = record["ablation"].setdefault(direction, {})
+        row |= cells(direction, search)  # what the runs on disk give replaces what was recorded
         get = [
             f"{row[k]:.2f}" if k in row else "-"
             for k in ("none", "budget", "averaging", "recipe", "decoding")
         ]
-        print(
-            f"| {direction} | " + " | ".join(get) + " | " + " / ".join(f"{x:.2f}" for x in row["all"]) + " |"
-        )
-    print(json.dumps({"machine": machine(), "minutes": by_direction, "ablation": table}))
+        every = " / ".join(f"{x:.2f}" for x in recorded(record, direction, "all-30"))
+        print(f"| {direction} | " + " | ".join(get) + " | " + every + " |")
+    save_record(record)
+    print(json.dumps({"machine": machine(), "minutes": by_direction, "ablation": record["ablation"]}))
 
 
 if __name__ == "__main__":

@@ -70,8 +70,17 @@ def gemm_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 4096), reps: i
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles) rather than emulating it."""
-    return bool(torch._C._cpu._is_avx512_bf16_supported() or torch._C._cpu._init_amx())
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles) rather than emulating it.
+    From the CPU's flags: torch 2.13 has no `torch._C._cpu._is_avx512_bf16_supported` any more."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}) or torch._C._cpu._init_amx()
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def alternate(systems: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
@@ -212,10 +221,20 @@ def have(module: str) -> bool:
 
 
 def machine() -> str:
-    model = "unknown CPU"
+    """The CPU as a figure must name it: the VM's model name alone ("AMD EPYC") does not tell a Zen 4
+    (family 25) from a Zen 5 (family 26), so family and model, the widest vector instructions and whether
+    bf16 is native come with it."""
+    info: dict[str, str] = {}
     with open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
+            if not line.strip() and info:  # the first processor's block is enough
                 break
-    return f"{os.cpu_count()} cores, {model}, torch {torch.__version__}, AMX {'yes' if torch._C._cpu._init_amx() else 'no'}"
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    flags = set(info.get("flags", "").split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    cpu = (
+        f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')} model "
+        f"{info.get('model', '?')}, {isa}, bf16 {'native' if native_bf16() else 'emulated'})"
+    )
+    return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}, AMX {'yes' if torch._C._cpu._init_amx() else 'no'}"
