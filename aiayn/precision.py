@@ -74,14 +74,31 @@ def autocast(device: torch.device, dtype: Dtype) -> contextlib.AbstractContextMa
 
 
 @functools.cache
-def has_vnni() -> bool:
-    """Whether torch._int_mm runs on oneDNN's int8 kernels here (AVX512-VNNI, which PyTorch does not
-    report: read from /proc/cpuinfo); elsewhere it is a scalar loop."""
+def cpu_info() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo (model name, cpu family, flags, ...); {} where there
+    is none (not Linux)."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
-    except OSError:  # not Linux: take the path that is vectorised everywhere
-        return False
+            for line in f:
+                if not line.strip() and info:
+                    break
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return info
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags, as the kernel reports them (PyTorch reports only some)."""
+    return frozenset(cpu_info().get("flags", "").split())
+
+
+def has_vnni() -> bool:
+    """Whether torch._int_mm runs on oneDNN's int8 kernels here (AVX512-VNNI, which PyTorch does not
+    report); elsewhere it is a scalar loop. Off Linux (no flags): the path that is vectorised everywhere."""
+    return "avx512_vnni" in cpu_flags()
 
 
 class Int8Linear(nn.Module):

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from aiayn.precision import cpu_flags, cpu_info
+
 PAD, BOS, EOS = 0, 1, 2
 
 # The speed issue's standard workload: exactly these shapes, so figures compare across runs.
@@ -73,14 +75,6 @@ def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles) rather than emulating it.
     From the CPU's flags: torch 2.13 has no `torch._C._cpu._is_avx512_bf16_supported` any more."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}) or torch._C._cpu._init_amx()
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def alternate(systems: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
@@ -224,14 +218,7 @@ def machine() -> str:
     """The CPU as a figure must name it: the VM's model name alone ("AMD EPYC") does not tell a Zen 4
     (family 25) from a Zen 5 (family 26), so family and model, the widest vector instructions and whether
     bf16 is native come with it."""
-    info: dict[str, str] = {}
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if not line.strip() and info:  # the first processor's block is enough
-                break
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    flags = set(info.get("flags", "").split())
+    info, flags = cpu_info(), cpu_flags()
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     cpu = (
         f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')} model "
