@@ -240,9 +240,7 @@ def main() -> None:
     record = load_record()
     for config in wanted:
         for direction in directions:
-            for seed in CONFIGS[config][2]:
-                if args.seeds and str(seed) not in args.seeds.split(","):
-                    continue
+            for seed in [int(s) for s in args.seeds.split(",")] if args.seeds else CONFIGS[config][2]:
                 out, trained = train(direction, config, seed)
                 entry = record_run(record, out, trained, config, direction, seed)
                 save_record(record)
