@@ -536,8 +536,8 @@ def compile_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="decode with a compiled step (torch.compile): faster, after compiling once per batch size "
-        "(cached for later runs; README, Speed)",
+        help="decode with a compiled step (torch.compile): faster, after compiling once per batch size; "
+        "later runs load it from ~/.cache/aiayn/compiled ($AIAYN_COMPILE_STORE; README, Speed)",
     )
     p.add_argument(
         "--shortlist",

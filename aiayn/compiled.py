@@ -14,17 +14,30 @@ it again (a recompilation), so:
   repeat the last live one (computed, never read);
 - the source length S and T_max are marked dynamic: one graph serves every batch of the same rows;
 - once a graph exists it runs without dynamo's checks on the way in (CompiledDecoder._call).
+
+Compiling costs a process tens of seconds per graph, and torch.compile's own caches still trace every
+graph again in the next process. With a store (`--compile` has one: default_store), each graph is
+instead exported (torch.export) and compiled ahead of time into an AOTInductor package, weights frozen
+in, which a later process loads in about a second: no tracing, no guards, the same kernels.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
+from torch.export import Dim
 
 from aiayn.model import DecoderCache, Memory, Transformer
+from aiayn.precision import cpu_flags, cpu_info
 from aiayn.tokenizer import PAD_ID
 
 
@@ -66,6 +79,13 @@ class StaticCache:
     def advance(self) -> None:
         """After a step: its position is written in every layer."""
         self.length.add_(1)
+
+    def arguments(self) -> tuple:
+        """The cache as the step's flat arguments (what torch.export takes; `step` rebuilds it)."""
+        layers = self.layers
+        return (self.length, layers[0].positions, self.src_mask, [c.self_k for c in layers],
+                [c.self_v for c in layers], [c.cross_k for c in layers], [c.cross_v for c in layers],
+                self.vocabulary, self.output)  # fmt: skip
 
     def expand(self, n: int) -> None:
         """n rows per sentence (beam search): the buffers grow to R * n rows, once per batch."""
@@ -113,9 +133,15 @@ class CompiledDecoder:
     eagerly: there the matrix products are big enough for the BLAS, and eager search drops finished
     sentences while a fixed-shape step keeps computing their rows (measured on Multi30k with 4,096-token
     batches: compiled greedy 0.45x eager).
+
+    With a store, the graphs are AOTInductor packages kept there (what `--compile` uses); without,
+    torch.compile compiles them in memory. The packages measured 1.03-1.67x faster in 15 of 16
+    benchmark cells (README, Speed), and a later process loads them in about a second.
     """
 
-    def __init__(self, model: Transformer, max_sentences: int = 32, **options):
+    def __init__(
+        self, model: Transformer, max_sentences: int = 32, store: str | Path | None = None, **options: Any
+    ):
         # Each row count is a graph of its own (greedy 1, 2, 4, ... 64 sentences; beams times that):
         # more than dynamo's default of 8 per function, after which it would quietly run eager.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -126,19 +152,33 @@ class CompiledDecoder:
         # max_autotune: inductor times its own C++ GEMM kernels against the BLAS call for each matrix
         # product of the step and keeps the faster: at a few rows MKL's sgemm is slow on AMD CPUs.
         self.options = {"max_autotune": True, **options}
+        # store: a directory of AOTInductor packages, one per graph and model, which a later process
+        # loads in a second or two instead of tracing and compiling again (None: compile in memory)
+        self.store = Path(store) if store is not None else None
 
-        def step(tokens: Tensor, cache: StaticCache) -> Tensor:
-            """tokens (R, 1) -> logits (R, 1, V) at the cache's next position: the graph compiled."""
-            logits = model.decode(tokens, None, cache)  # type: ignore[arg-type]
-            cache.advance()
+        def step(tokens: Tensor, *cache: Any) -> Tensor:
+            """tokens (R, 1) and StaticCache.arguments() -> logits (R, 1, V) at the cache's next position:
+            the graph compiled."""
+            length, positions, src_mask, self_k, self_v, cross_k, cross_v, vocabulary, output = cache
+            layers = [
+                StaticLayerCache(*kv, length, positions) for kv in zip(self_k, self_v, cross_k, cross_v)
+            ]
+            static = StaticCache(layers, src_mask, tokens.size(0), self_k[0], vocabulary, output)
+            logits = model.decode(tokens, None, static)  # type: ignore[arg-type]
+            static.advance()
             return logits
 
-        self.step = torch.compile(step, fullgraph=True, options=self.options)
-        # the encoder and the cross-attention keys/values, once per batch: S is dynamic, rows are not
-        self.encoder_states = torch.compile(model.encoder_states, fullgraph=True, options=self.options)
-        self.cross_keys_values = torch.compile(model.cross_keys_values, fullgraph=True, options=self.options)
+        # the step, and once per batch the encoder and the cross-attention keys/values (S is dynamic, rows
+        # are not); each compiled by torch.compile on its first call, or exported to the store
+        self.graphs = {"step": step, "encoder": model.encoder_states, "cross": model.cross_keys_values}
+        self.compiled = {
+            name: torch.compile(fn, fullgraph=True, options=self.options) for name, fn in self.graphs.items()
+        }
         self.compile_seconds = 0.0  # the first call of each graph, compile included
-        self._seen: set[tuple] = set()  # the keys of the graphs compiled
+        self.load_seconds = 0.0  # reading graphs compiled by an earlier process from the store
+        self._seen: set[tuple] = set()  # the keys of the graphs compiled in memory
+        self._packages: dict[tuple, _Package] = {}  # the keys of the graphs from the store
+        self._fingerprint: str | None = None
 
     def encode(self, src: Tensor) -> Memory:
         """src (B, S) -> memory of B_max = 2^k >= B sentences; the rows past B are copies of row 0."""
@@ -157,7 +197,7 @@ class CompiledDecoder:
                 rows, 1, 1, src.size(1), dtype=torch.bool, device=src.device
             )  # (B_max, 1, 1, S)
         src, mask = _dynamic(src, 1), _dynamic(mask, 3)
-        return Memory(_dynamic(self._call(self.encoder_states, ("encoder", rows), src, mask), 1), mask)
+        return Memory(_dynamic(self._call(("encoder", rows), src, mask), 1), mask)
 
     def new_cache(self, memory: Memory, max_len: int) -> StaticCache | DecoderCache:
         B, S, D = memory.states.shape
@@ -169,7 +209,7 @@ class CompiledDecoder:
         length = torch.zeros(1, dtype=torch.long, device=device)
         positions = _dynamic(torch.arange(max_len, device=device), 0)
         layers = []
-        cross = self._call(self.cross_keys_values, ("cross", B), memory.states)  # 2 x (B, S, D) per layer
+        cross = self._call(("cross", B), memory.states)  # 2 x (B, S, D) per layer
         for k, v in cross:
             # contiguous, as a `reorder` leaves them: slices of one projection have other strides, which
             # the graph is guarded on
@@ -197,19 +237,24 @@ class CompiledDecoder:
             tgt_in = torch.cat([tgt_in, tgt_in.new_full((cache.rows - live, 1), PAD_ID)])  # (R, 1)
         tgt_in = tgt_in.contiguous()  # beam search passes a column of its tokens: strides are guarded too
         key = ("step", cache.rows, cache.output is not None)
-        return self._call(self.step, key, tgt_in, cache)[:live]
+        return self._call(key, tgt_in, *cache.arguments())[:live]
 
-    def _call(self, fn, key: tuple, *args):
-        """fn(*args), fn compiled; key names its graph (what changes a shape the graph does not take as
-        dynamic). The first call of a key traces and compiles, with freezing: the weights become constants,
-        prepacked for the GEMMs (inductor reads that setting outside torch.compile's options, so it is set
-        around the call). Later calls skip both what costs time on the way in: dynamo's guards (about
-        1,300 checks that the model and inputs are still what the graph was traced for; skipping them
-        took a decode call of a `small` batch-1 greedy search from 0.79 to 0.57 ms), of which
-        only those that have told two graphs apart before are evaluated (skip_guard_eval_unsafe), and
-        setting the option (0.03-0.13 ms more, in two measurements). That is safe here because a key's
-        inputs differ only in the sizes marked dynamic, each at least 2 (0 and 1 would be graphs of their
-        own), and a decoder's model does not change."""
+    def _call(self, key: tuple, *args: Any) -> Any:
+        """The graph key[0] of self.graphs on args; the key names the graph (what changes a shape the graph
+        does not take as dynamic). The first call of a key loads it from the store, or traces and compiles
+        it, with freezing: the weights become constants, prepacked for the GEMMs (inductor reads that
+        setting outside torch.compile's options, so it is set around the call). Later calls of a graph
+        compiled in memory skip both what costs time on the way in: dynamo's guards (about 1,300 checks
+        that the model and inputs are still what the graph was traced for; skipping them took a decode
+        call of a `small` batch-1 greedy search from 0.79 to 0.57 ms), of which only those that have told
+        two graphs apart before are evaluated (skip_guard_eval_unsafe), and setting the option (0.03-0.13
+        ms more, in two measurements). That is safe here because a key's inputs differ only in the sizes
+        marked dynamic, each at least 2 (0 and 1 would be graphs of their own), and a decoder's model does
+        not change. A package has no guards at all: it checks only its inputs' shapes."""
+        package = self._packages.get(key)
+        if package is not None:
+            return package(*args)
+        fn = self.compiled[key[0]]
         if key in self._seen:
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
@@ -217,9 +262,99 @@ class CompiledDecoder:
             except RuntimeError as error:  # inputs no graph of fn was traced for: trace them (dynamo
                 if "skip_guard_eval_unsafe" not in str(error):  # raises before running anything)
                     raise
+        if self.store is not None:
+            self._packages[key] = package = self._package(key, args)
+            return package(*args)
         start = time.perf_counter()
         with torch._inductor.config.patch(freezing=True):
             out = fn(*args)
         self.compile_seconds += time.perf_counter() - start
         self._seen.add(key)
         return out
+
+    def _package(self, key: tuple, args: tuple) -> _Package:
+        """The AOTInductor package of graph key from the store, exported and compiled into it first if it
+        is not there (written atomically: processes sharing a store never read half a file). The package
+        holds the model's weights as constants, so its name holds a hash of them."""
+        assert self.store is not None
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.model, self.options)
+        path = self.store / f"{'-'.join(map(str, key))}-{self._fingerprint}.pt2"
+        if not path.is_file():
+            start = time.perf_counter()
+            self.store.mkdir(parents=True, exist_ok=True)
+            # the sizes marked dynamic where the buffers were made (_dynamic) are export's dynamic ones
+            shapes = pytree.tree_map_only(
+                Tensor,
+                lambda t: {d: Dim.DYNAMIC for d in getattr(t, "_dynamo_weak_dynamic_indices", ())},
+                args,
+            )
+            with torch.inference_mode(False), torch.no_grad():  # inference tensors cannot be traced in place
+                example = pytree.tree_map_only(Tensor, torch.clone, args)
+                program = torch.export.export(_Graph(self.graphs[key[0]], self.model), example,
+                                              dynamic_shapes={"args": shapes}, strict=False)  # fmt: skip
+                temporary = path.with_name(f".{os.getpid()}.{path.name}")  # a name of its own, ending .pt2
+                try:
+                    torch._inductor.aoti_compile_and_package(
+                        program,
+                        package_path=str(temporary),
+                        inductor_configs={"freezing": True, **self.options},
+                    )
+                    os.replace(temporary, path)
+                finally:
+                    temporary.unlink(missing_ok=True)
+            self.compile_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        package = _Package(torch._inductor.aoti_load_package(str(path)).loader)
+        self.load_seconds += time.perf_counter() - start
+        return package
+
+
+class _Package:
+    """A loaded AOTInductor package called with the graph's own arguments. Its own __call__ parses its
+    input and output specifications from JSON on every call; this reads the output's once."""
+
+    def __init__(self, loader: Any):
+        self.run = loader.boxed_run
+        self.out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+
+    def __call__(self, *args: Any) -> Any:
+        tensors = [x for x in pytree.tree_leaves(args) if isinstance(x, Tensor)]
+        return pytree.tree_unflatten(self.run(tensors), self.out_spec)
+
+
+class _Graph(torch.nn.Module):
+    """One of CompiledDecoder.graphs as the module torch.export takes; the model a submodule, so that
+    its weights are the program's parameters (frozen into constants by the package)."""
+
+    def __init__(self, fn: Callable, model: Transformer):
+        super().__init__()
+        self.fn, self.model = fn, model
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def default_store() -> Path | None:
+    """Where `--compile` keeps its packages between processes: $AIAYN_COMPILE_STORE ("" or "none": nowhere,
+    compile in memory in every process), else $XDG_CACHE_HOME/aiayn/compiled (~/.cache/aiayn/compiled)."""
+    value = os.environ.get("AIAYN_COMPILE_STORE")
+    if value is not None:
+        return None if value.strip().lower() in ("", "none") else Path(value)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aiayn" / "compiled"
+
+
+def fingerprint(model: torch.nn.Module, options: dict) -> str:
+    """A hash of what a compiled package depends on: the weights and the modules that use them, the
+    compile options, PyTorch's version and the processor (kernels are compiled for its instructions)."""
+    digest = hashlib.blake2b(digest_size=12)
+    modules = [(name, type(m).__name__, getattr(m, "w8a8", None)) for name, m in model.named_modules()]
+    cpu = cpu_info()
+    device = next(model.parameters()).device
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    digest.update(repr((modules, sorted(options.items()), torch.__version__, cpu.get("model name"),
+                        cpu.get("cpu family"), cpu.get("model"), sorted(cpu_flags()), str(device), gpu)).encode())  # fmt: skip
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from aiayn.checkpoint import load_model, load_search
-from aiayn.compiled import CompiledDecoder
+from aiayn.compiled import CompiledDecoder, default_store
 from aiayn.config import SearchConfig
 from aiayn.model import Transformer
 from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, default_device, for_inference
@@ -52,7 +52,7 @@ class Translator:
         self.batch_tokens = batch_tokens  # source tokens x beam per batch
         # search runs on the model itself, or on its compiled decoding step (compiled.py), with or
         # without an output-layer shortlist (shortlist.py)
-        self.decoder = CompiledDecoder(self.model) if compile else self.model
+        self.decoder = CompiledDecoder(self.model, store=default_store()) if compile else self.model
         if shortlist is not None:
             self.decoder = Shortlisted(self.decoder, shortlist)
 
@@ -68,7 +68,8 @@ class Translator:
     ) -> Translator:
         """A model directory, in the layout and number format that translate fastest (for_inference);
         without a search_config, the one the model directory names (search.json), else §6.1's.
-        compile: decode with a compiled step (compiled.py; the first batch of each size compiles).
+        compile: decode with a compiled step (compiled.py): the first batch of each size compiles, or
+        loads what an earlier process compiled from the store (compiled.default_store).
         shortlist: restrict the output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
         device = torch.device(device) if device is not None else default_device()
         configure(device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import shutil
 import sys
 import tempfile
 import time
@@ -50,9 +51,9 @@ from aiayn.search import search  # noqa: E402
 NEW_TOKENS = 24
 
 
-def aiayn_translator(shape: dict, dtype: str, compile: bool = False):
+def aiayn_translator(shape: dict, dtype: str, compile: bool = False, store: Path | None = None):
     model = for_inference(aiayn_model(shape), dtype)  # as Translator.load prepares it
-    model = NoEos(CompiledDecoder(model) if compile else model)
+    model = NoEos(CompiledDecoder(model, store=store) if compile else model)
 
     def run(batch: list[list[int]], beam: int) -> None:
         config = SearchConfig(beam_size=beam)
@@ -228,6 +229,10 @@ def main() -> None:
     else:
         notes.append("transformers not installed: Hugging Face Marian skipped")
     workdir = Path(tempfile.mkdtemp(prefix="aiayn-bench-"))
+    # AOTInductor packages, as `--compile` keeps them (compiled.default_store); here a fresh store
+    makers["aiayn compiled (store)"] = lambda shape, dtype: aiayn_translator(
+        shape, dtype, compile=True, store=workdir / "store"
+    )
     if have("ctranslate2"):
         for threads in (1, 2):
             makers[f"ctranslate2 {threads}t"] = lambda shape, dtype, threads=threads: InChildProcess(
@@ -295,6 +300,7 @@ def main() -> None:
             }
         )
     )
+    shutil.rmtree(workdir, ignore_errors=True)  # the exported models and compiled packages
 
 
 def print_rows(rows: list[dict]) -> None:

@@ -4,7 +4,7 @@ torch.compile traced again, or gave up on, must fail a test rather than run slow
 import pytest
 import torch
 
-from aiayn.compiled import CompiledDecoder
+from aiayn.compiled import CompiledDecoder, fingerprint
 from aiayn.config import SearchConfig, preset
 from aiayn.model import Transformer
 from aiayn.precision import for_inference
@@ -107,3 +107,38 @@ def test_two_decoders_keep_their_own_weights(decoders):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
     for decoder, tokens in ((compiled, want[0]), (second, want[1]), (compiled, want[0]), (second, want[1])):
         assert [h[0].tokens for h in search(decoder, src, config)] == tokens
+
+
+def test_a_store_serves_a_later_decoder_without_compiling(decoders, tmp_path):
+    """Graphs exported to a store (AOTInductor packages) give eager's beam hypotheses, and a decoder made
+    later over a fresh copy of the model (a second process, as far as it can tell) loads them instead
+    of compiling: the cached second run of `--compile`."""
+    model, _ = decoders
+    src = sources(3, 9, seed=6)
+    config = SearchConfig(beam_size=2, n_best=2, max_len_b=20)
+    want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
+    first = CompiledDecoder(model, store=tmp_path, max_autotune=False)
+    assert [[h.tokens for h in hyps] for hyps in search(first, src, config)] == want
+    assert first.compile_seconds > 0
+    assert len(list(tmp_path.glob("*.pt2"))) == 3  # the encoder, the cross keys/values and the step
+    copy = Transformer(preset("tiny", vocab_size=V)).eval()
+    copy.load_state_dict(model.state_dict())
+    later = CompiledDecoder(copy, store=tmp_path, max_autotune=False)
+    for width in (9, 15):  # the source length is dynamic in the packages too
+        src = sources(3, width, seed=width)
+        want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
+        assert [[h.tokens for h in hyps] for hyps in search(later, src, config)] == want
+    assert later.compile_seconds == 0.0 and later.load_seconds > 0
+
+
+def test_a_package_is_named_for_the_weights_and_options_it_was_compiled_with(decoders):
+    """Packages hold the weights as constants: another model's weights, or other compile options, must
+    never load a package compiled for these."""
+    model, _ = decoders
+    copy = Transformer(preset("tiny", vocab_size=V)).eval()
+    copy.load_state_dict(model.state_dict())
+    assert fingerprint(copy, {"max_autotune": False}) == fingerprint(model, {"max_autotune": False})
+    assert fingerprint(model, {"max_autotune": True}) != fingerprint(model, {"max_autotune": False})
+    with torch.no_grad():
+        copy.decoder[0].feed_forward.w_2.bias[0] += 1e-6
+    assert fingerprint(copy, {"max_autotune": False}) != fingerprint(model, {"max_autotune": False})
