@@ -236,7 +236,9 @@ class CompiledDecoder:
         if live < cache.rows:
             tgt_in = torch.cat([tgt_in, tgt_in.new_full((cache.rows - live, 1), PAD_ID)])  # (R, 1)
         tgt_in = tgt_in.contiguous()  # beam search passes a column of its tokens: strides are guarded too
-        key = ("step", cache.rows, cache.output is not None)
+        # rows R and sentences B: 32 rows are 32 sentences (greedy) or 8 sentences of 4 hypotheses (beam
+        # 4), two graphs (the cross-attention keys/values have B rows)
+        key = ("step", cache.rows, cache.layers[0].cross_k.size(0), cache.output is not None)
         return self._call(key, tgt_in, *cache.arguments())[:live]
 
     def _call(self, key: tuple, *args: Any) -> Any:

@@ -110,24 +110,30 @@ def test_two_decoders_keep_their_own_weights(decoders):
 
 
 def test_a_store_serves_a_later_decoder_without_compiling(decoders, tmp_path):
-    """Graphs exported to a store (AOTInductor packages) give eager's beam hypotheses, and a decoder made
-    later over a fresh copy of the model (a second process, as far as it can tell) loads them instead
-    of compiling: the cached second run of `--compile`."""
+    """Graphs exported to a store (AOTInductor packages) give eager's hypotheses, and a decoder made later
+    over a fresh copy of the model (a second process, as far as it can tell) loads them instead of
+    compiling: the cached second run of `--compile`. Greedy over 3 sentences and beam 2 over 2 are both 4
+    rows, but two steps (cross-attention keys/values of 4 and 2 rows): one must not run the other's."""
     model, _ = decoders
-    src = sources(3, 9, seed=6)
-    config = SearchConfig(beam_size=2, n_best=2, max_len_b=20)
-    want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
+
+    def check(decoder, width):
+        for batch, beam in ((3, 1), (2, 2)):
+            src = sources(batch, width, seed=batch + width)
+            config = SearchConfig(beam_size=beam, n_best=beam, max_len_b=20)
+            want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
+            assert [[h.tokens for h in hyps] for hyps in search(decoder, src, config)] == want
+
     first = CompiledDecoder(model, store=tmp_path, max_autotune=False)
-    assert [[h.tokens for h in hyps] for hyps in search(first, src, config)] == want
+    check(first, 9)
     assert first.compile_seconds > 0
-    assert len(list(tmp_path.glob("*.pt2"))) == 3  # the encoder, the cross keys/values and the step
+    assert (
+        len(list(tmp_path.glob("*.pt2"))) == 6
+    )  # encoder, cross keys/values and step, for 4 and 2 sentences
     copy = Transformer(preset("tiny", vocab_size=V)).eval()
     copy.load_state_dict(model.state_dict())
     later = CompiledDecoder(copy, store=tmp_path, max_autotune=False)
     for width in (9, 15):  # the source length is dynamic in the packages too
-        src = sources(3, width, seed=width)
-        want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
-        assert [[h.tokens for h in hyps] for hyps in search(later, src, config)] == want
+        check(later, width)
     assert later.compile_seconds == 0.0 and later.load_seconds > 0
 
 
