@@ -284,7 +284,13 @@ class CompiledDecoder:
         path = self.store / f"{'-'.join(map(str, key))}-{self._fingerprint}.pt2"
         if not path.is_file():
             start = time.perf_counter()
-            self.store.mkdir(parents=True, exist_ok=True)
+            try:
+                self.store.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise ValueError(
+                    f"{self.store}: cannot keep compiled graphs there ({error.strerror}); set "
+                    "AIAYN_COMPILE_STORE to a writable directory, or to none to compile in memory"
+                ) from error
             # the sizes marked dynamic where the buffers were made (_dynamic) are export's dynamic ones
             shapes = pytree.tree_map_only(
                 Tensor,

@@ -148,3 +148,14 @@ def test_a_package_is_named_for_the_weights_and_options_it_was_compiled_with(dec
     with torch.no_grad():
         copy.decoder[0].feed_forward.w_2.bias[0] += 1e-6
     assert fingerprint(copy, {"max_autotune": False}) != fingerprint(model, {"max_autotune": False})
+
+
+def test_a_store_that_cannot_be_written_is_a_clear_error(decoders, tmp_path):
+    """AIAYN_COMPILE_STORE naming a file (or a read-only place): a ValueError naming it, before any compile."""
+    model, _ = decoders
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    compiled = CompiledDecoder(model, store=blocker / "store", max_autotune=False)
+    with pytest.raises(ValueError, match="cannot keep compiled graphs there"):
+        search(compiled, sources(1, 5, seed=7), SearchConfig(beam_size=1, max_len_b=5))
+    assert compiled.compile_seconds == 0.0
