@@ -206,14 +206,29 @@ def tokenizer_options(args: argparse.Namespace):
     from aiayn.tokenizer import Tokenizer
 
     preset_name = getattr(args, "preset", None)
-    vocab_size = args.vocab_size
-    if vocab_size is None and preset_name is not None:
-        vocab_size = recipe(preset_name).vocab_size
+    vocab_size, bpe_dropout = args.vocab_size, args.bpe_dropout
+    if preset_name is not None:
+        vocab_size = recipe(preset_name).vocab_size if vocab_size is None else vocab_size
+        bpe_dropout = recipe(preset_name).bpe_dropout if bpe_dropout is None else bpe_dropout
     Tokenizer.check_options(recipe("small").vocab_size if vocab_size is None else vocab_size, args.tokenizer)
     if args.tokenizer_sample < 1:
         raise ValueError(f"--tokenizer-sample must be at least 1, got {args.tokenizer_sample}")
-    # None: prepare sizes the vocabulary for the corpus (config.preset_for_corpus's recipe)
-    return TokenizerOptions(vocab_size, args.tokenizer, not args.separate_vocab, args.tokenizer_sample)
+    if args.bpe_dropout is not None and not 0.0 <= args.bpe_dropout < 1.0:
+        raise ValueError(f"--bpe-dropout must be in [0, 1), got {args.bpe_dropout}")
+    if args.bpe_dropout and args.tokenizer != "bpe":
+        raise ValueError(f"--bpe-dropout needs --tokenizer bpe, not {args.tokenizer}")
+    views = TokenizerOptions.views if args.bpe_dropout_views is None else args.bpe_dropout_views
+    if views < 1:
+        raise ValueError(f"--bpe-dropout-views must be at least 1, got {views}")
+    # None: prepare sizes the vocabulary (and BPE-dropout) for the corpus (config.preset_for_corpus's recipe)
+    return TokenizerOptions(
+        vocab_size,
+        args.tokenizer,
+        not args.separate_vocab,
+        args.tokenizer_sample,
+        bpe_dropout if args.tokenizer == "bpe" else 0.0,
+        views,
+    )
 
 
 def relaunch_under_torchrun(args: argparse.Namespace) -> int:
@@ -579,6 +594,20 @@ def tokenizer_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1_000_000,
         help="training pairs the vocabulary is learned from, at most",
+    )
+    p.add_argument(
+        "--bpe-dropout",
+        type=float,
+        metavar="P",
+        help="train on segmentations that leave out each BPE merge with probability P (BPE-dropout; "
+        "default: the preset's, 0 for all but low-resource); validation and translation use plain BPE",
+    )
+    p.add_argument(
+        "--bpe-dropout-views",
+        type=int,
+        metavar="K",
+        help="segmentations drawn once when preparing, one per epoch in turn (default 16; each takes the "
+        "disk of the ids)",
     )
 
 

@@ -278,6 +278,7 @@ class Recipe:
 
     train: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # TrainConfig
     vocab_size: int = 8000  # the tokenizer's, when it learns one
+    bpe_dropout: float = 0.0  # BPE-dropout of the training pairs' segmentations (prepare.py), 0: none
 
 
 RECIPES: Mapping[str, Recipe] = MappingProxyType(

@@ -7,6 +7,8 @@ A prepared directory (DATA, or OUT/data when `aiayn train` prepares its own) hol
   src.bin tgt.bin   the ids of every kept training pair, one sentence after another, each ending with
                     EOS: uint16 when the vocabulary allows, else uint32
   src.len tgt.len   tokens per sentence (uint32), in the same order
+  src.K.bin ...     with BPE-dropout (--bpe-dropout P): K = 1..views more segmentations of the same pairs,
+                    each drawn once here with the merges left out at random, one per epoch in turn
   valid.json        the validation pairs, as text (BLEU is computed on text)
 It is written under a temporary name and renamed whole (`Prepared.commit`).
 """
@@ -18,7 +20,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ MANIFEST, VALID = "manifest.json", "valid.json"
 FORMAT = 1
 CHUNK = 10_000  # pairs encoded at a time
 SAMPLE = 1_000_000  # training pairs the tokenizer learns from, at most (a uniform sample)
+VIEWS = 16  # BPE-dropout segmentations of the training pairs, by default (each as large as the ids)
 
 PairSource = Callable[[], Iterator[tuple[str, str]]]  # gives the raw pairs again at every call
 
@@ -83,6 +86,7 @@ class Prepared:
     tgt: Ids
     valid_src: list[str]
     valid_tgt: list[str]
+    views: list[tuple[Ids, Ids]] = field(default_factory=list)  # BPE-dropout's (src, tgt)
 
     @property
     def src_lang(self) -> str:
@@ -95,7 +99,10 @@ class Prepared:
     def fingerprint(self) -> dict[str, str]:
         """The direction and the digests of the training and validation text: what a resume must share."""
         keys = ("src_lang", "tgt_lang", "train_data", "valid_data")
-        return {key: self.manifest[key] for key in keys}
+        fingerprint = {key: self.manifest[key] for key in keys}
+        if self.views:  # other segmentations are other training data (named only where there are some)
+            fingerprint["bpe_dropout"] = f"{self.manifest['bpe_dropout']} x {len(self.views)} views"
+        return fingerprint
 
     def commit(self, dest: str | Path, replace: bool = False) -> Prepared:
         """Rename this (temporary) directory to dest, whole; replace: remove what dest holds first."""
@@ -123,15 +130,18 @@ def open_prepared(directory: str | Path) -> Prepared:
         raise ValueError(f"{directory}: prepared by another version (format {manifest.get('format')})")
     dtype = np.dtype(manifest["dtype"])
     sides = []
-    for side in ("src", "tgt"):
-        lengths = _memmap(directory / f"{side}.len", np.uint32)
-        flat = _memmap(directory / f"{side}.bin", dtype)
-        # Sizes against the manifest: opening touches none of the ids or lengths (memory stays flat).
-        if len(lengths) != manifest["pairs"] or len(flat) != manifest[f"{side}_tokens"]:
-            raise ValueError(f"{directory}: {side}.bin and {side}.len do not fit {MANIFEST} (truncated?)")
-        sides.append(Ids(flat, lengths))
+    for view, counts in enumerate([manifest] + manifest.get("views", [])):
+        for side in ("src", "tgt"):
+            stem = side if view == 0 else f"{side}.{view}"
+            lengths = _memmap(directory / f"{stem}.len", np.uint32)
+            flat = _memmap(directory / f"{stem}.bin", dtype)
+            # Sizes against the manifest: opening touches none of the ids or lengths (memory stays flat).
+            if len(lengths) != manifest["pairs"] or len(flat) != counts[f"{side}_tokens"]:
+                raise ValueError(f"{directory}: {stem}.bin and {stem}.len do not fit {MANIFEST} (truncated?)")
+            sides.append(Ids(flat, lengths))
     tokenizer = Tokenizer.load(directory)
-    return Prepared(directory, manifest, tokenizer, *sides, valid["src"], valid["tgt"])
+    views = list(zip(sides[2::2], sides[3::2]))
+    return Prepared(directory, manifest, tokenizer, *sides[:2], valid["src"], valid["tgt"], views)
 
 
 def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
@@ -153,6 +163,8 @@ class TokenizerOptions:
     kind: str = "bpe"
     joint: bool = True
     sample: int = SAMPLE
+    bpe_dropout: float | None = None  # None: the recipe's for a corpus of this size; 0: one segmentation
+    views: int = VIEWS  # segmentations drawn with BPE-dropout, one per epoch in turn
 
 
 def prepare(
@@ -196,18 +208,25 @@ def prepare(
             n = sum(1 for _ in _cleaned(pairs))  # which pairs to hold out and sample depends on how many
             if valid_fraction is not None:
                 held = _held_out(n, valid_fraction, seed)
+        bpe_dropout = options.bpe_dropout or 0.0
         if tokenizer is None:
             trainable = n - (int(held.sum()) if held is not None else 0)
             if not trainable:
                 raise ValueError(f"{name}: no training pairs left after dropping empty lines")
             chosen = _sample(trainable, options.sample, seed)
             sample = [_Side(pairs, held, chosen, side) for side in (0, 1)]
-            size = options.vocab_size or recipe(preset_for_corpus(trainable)).vocab_size
+            chosen_recipe = recipe(preset_for_corpus(trainable))
+            size = options.vocab_size or chosen_recipe.vocab_size
+            if options.bpe_dropout is None and options.kind == "bpe":
+                bpe_dropout = chosen_recipe.bpe_dropout
             say(f"tokenizer: learning {options.kind} vocab_size {size} from {len(sample[0])} pairs")
             kind, joint = options.kind, options.joint
             tokenizer = Tokenizer.train(*sample, vocab_size=size, kind=kind, joint=joint)
         tokenizer.save(tmp)
-        report, held_pairs = _encode(tmp, pairs, held, tokenizer)
+        views = [tokenizer.with_dropout(bpe_dropout)] * options.views if bpe_dropout else []
+        if views:
+            say(f"BPE-dropout {bpe_dropout}: {len(views)} more segmentations of the training pairs")
+        report, held_pairs = _encode(tmp, pairs, held, tokenizer, views)
         say(f"training pairs: {report}")
         if report["kept"] - len(held_pairs[0]) == 0:
             raise ValueError(f"{name}: no training pairs left after dropping empty lines")
@@ -223,6 +242,7 @@ def prepare(
             held_out=len(held_pairs[0]),
             source=source or {},
             tokenizer={"vocab_size": tokenizer.src_vocab_size, "joint": tokenizer.joint},
+            bpe_dropout=bpe_dropout,
         )
         write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         return open_prepared(tmp)
@@ -279,32 +299,42 @@ class _Side:
 
 
 def _encode(
-    directory: Path, pairs: PairSource, held_out: np.ndarray | None, tokenizer: Tokenizer
+    directory: Path,
+    pairs: PairSource,
+    held_out: np.ndarray | None,
+    tokenizer: Tokenizer,
+    views: Sequence[Tokenizer] = (),
 ) -> tuple[dict[str, int], tuple[list[str], list[str]]]:
-    """Stream the pairs through the tokenizer into DIR/{src,tgt}.{bin,len}; the held-out ones come back
-    as text. Writes a first manifest with the counts and the digest of the training text."""
+    """Stream the pairs through the tokenizer into DIR/{src,tgt}.{bin,len}, and through each of `views`
+    (BPE-dropout's) into DIR/{src,tgt}.K.{bin,len}, K = 1, 2, ...; the held-out ones come back as text.
+    Writes a first manifest with the counts and the digest of the training text."""
     vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
-    files = {name: open(directory / name, "wb") for name in ("src.bin", "tgt.bin", "src.len", "tgt.len")}
+    stems = ["", *(f".{k}" for k in range(1, len(views) + 1))]
+    files = {
+        f"{side}{stem}.{kind}": None for stem in stems for side in ("src", "tgt") for kind in ("bin", "len")
+    }
     report = {"kept": 0, "empty": 0, "too_long": 0}
     held: tuple[list[str], list[str]] = ([], [])
     digest, every = TextDigest(), TextDigest()  # of the training pairs; of all kept pairs
-    tokens = {"src": 0, "tgt": 0}
+    tokens = [{"src_tokens": 0, "tgt_tokens": 0} for _ in stems]
     chunk: tuple[list[str], list[str]] = ([], [])
 
     def flush() -> None:
-        for side, texts, encode in (
-            ("src", chunk[0], tokenizer.encode_src),
-            ("tgt", chunk[1], tokenizer.encode_tgt),
-        ):
-            ids = encode(texts)
-            lengths = np.fromiter((len(x) for x in ids), dtype=np.uint32, count=len(ids))
-            files[f"{side}.len"].write(lengths.tobytes())
-            files[f"{side}.bin"].write(np.fromiter((t for x in ids for t in x), dtype=dtype).tobytes())
-            tokens[side] += int(lengths.sum(dtype=np.int64))
+        for view, (stem, tok) in enumerate(zip(stems, [tokenizer, *views])):
+            for side, texts, encode in (("src", chunk[0], tok.encode_src), ("tgt", chunk[1], tok.encode_tgt)):
+                ids = encode(texts)
+                lengths = np.fromiter((len(x) for x in ids), dtype=np.uint32, count=len(ids))
+                files[f"{side}{stem}.len"].write(lengths.tobytes())
+                files[f"{side}{stem}.bin"].write(
+                    np.fromiter((t for x in ids for t in x), dtype=dtype).tobytes()
+                )
+                tokens[view][f"{side}_tokens"] += int(lengths.sum(dtype=np.int64))
         chunk[0].clear(), chunk[1].clear()
 
     try:
+        for name in files:
+            files[name] = open(directory / name, "wb")
         for src, tgt in pairs():
             if not src.strip() or not tgt.strip():
                 report["empty"] += 1
@@ -321,14 +351,15 @@ def _encode(
         flush()
     finally:
         for f in files.values():
-            f.close()
+            if f is not None:
+                f.close()
     manifest = {
         "format": FORMAT,
         "pairs": digest.pairs,
         "report": report,
         "dtype": np.dtype(dtype).name,
-        "src_tokens": tokens["src"],
-        "tgt_tokens": tokens["tgt"],
+        **tokens[0],
+        "views": tokens[1:],
         "train_data": digest.value(),
         "input_data": every.value(),  # before any pairs were held out for validation
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +30,7 @@ from aiayn.distributed import ONE, Ranks
 from aiayn.evaluate import evaluate, score
 from aiayn.model import Transformer
 from aiayn.precision import autocast, configure, default_device, resolve_dtype
-from aiayn.prepare import Prepared
+from aiayn.prepare import Ids, Prepared
 from aiayn.run import Progress, Run
 from aiayn.tokenizer import PAD_ID
 from aiayn.translate import Translator
@@ -149,14 +149,16 @@ def train(
     with run:  # a run that fails before its first checkpoint leaves OUT as it found it
         with stop_signals() as signals:
             stop = agree(ranks, stop_reason(state, cfg, run, signals), device)  # a resumed run may be done
-            for group in update_groups(pairs.lengths(), cfg, state, ranks.world) if stop is None else ():
+            for group in update_groups(pairs.lengths, cfg, state, ranks.world) if stop is None else ():
                 if group is None:  # an epoch ended: validate, unless valid_every says when
                     if not cfg.valid_every:
                         stop = validate_and_save(run, validation, model, optimizer, state)
                 else:
                     lr = rate(state.step + 1, run.minutes(), model_config.d_model, cfg)
                     with out_of_memory_is_a_batch_size_error(cfg, state.step + 1):
-                        batches, seeds, dummy = pairs.share(group, ranks, cfg.seed, state.step + 1, device)
+                        batches, seeds, dummy = pairs.share(
+                            group, ranks, cfg.seed, state.step + 1, device, state.epoch
+                        )
                         step = Step(lr, seeds, dummy, ranks, scaler)
                         loss, n_tokens = train_step(ddp, optimizer, batches, lr, cfg, step=step)
                     if not math.isfinite(loss):
@@ -324,39 +326,46 @@ def run_settings(
 
 @dataclass
 class Pairs:
-    """The prepared training pairs with at most max_len tokens on both sides."""
+    """The prepared training pairs with at most max_len tokens on both sides (in every segmentation)."""
 
-    data: Prepared
+    sides: list[tuple[Ids, Ids]]  # (src, tgt) ids: the prepared ones, or the BPE-dropout views in turn
     keep: np.ndarray  # (P,) indices of those pairs in the prepared corpus
     too_long: int
 
     @classmethod
     def of(cls, data: Prepared, max_len: int) -> Pairs:
-        src, tgt = data.src.lengths, data.tgt.lengths
-        keep = np.flatnonzero((src <= max_len) & (tgt <= max_len)).astype(
-            np.int32 if len(src) < 2**31 else np.int64
-        )
+        sides = data.views or [(data.src, data.tgt)]
+        fits = np.logical_and.reduce([(s.lengths <= max_len) & (t.lengths <= max_len) for s, t in sides])
+        keep = np.flatnonzero(fits).astype(np.int32 if len(fits) < 2**31 else np.int64)
         if not len(keep):
             raise ValueError(f"no training pair has at most max_len={max_len} tokens on both sides")
-        return cls(data, keep, len(src) - len(keep))
+        return cls(sides, keep, len(fits) - len(keep))
 
-    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.data.src.lengths[self.keep], self.data.tgt.lengths[self.keep]
+    def lengths(self, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(P,) source and target tokens of each kept pair in the epoch's segmentation."""
+        src, tgt = self.sides[epoch % len(self.sides)]
+        return src.lengths[self.keep], tgt.lengths[self.keep]
 
     def share(
-        self, group: list[list[int]], ranks: Ranks, seed: int, update: int, device: torch.device
+        self,
+        group: list[list[int]],
+        ranks: Ranks,
+        seed: int,
+        update: int,
+        device: torch.device,
+        epoch: int = 0,
     ) -> tuple[list[list[Tensor]], list[int], bool]:
         """This rank's micro-batches of the update's global group (ranks take turns: rank r has r, r+W,
         ...), on the device, and the dropout seed of each. A rank left without one (an epoch's tail)
         gets the first with dummy=True: it computes, and its loss counts zero."""
         mine = list(range(ranks.rank, len(group), ranks.world))
         dummy = not mine
-        tensors = [self.tensors(group[j], device) for j in (mine or [0])]
+        tensors = [self.tensors(group[j], device, epoch) for j in (mine or [0])]
         return tensors, [dropout_seed(seed, update, j) for j in (mine or [0])], dummy
 
-    def tensors(self, batch: list[int], device: torch.device) -> list[Tensor]:
-        """[src (B, S), tgt_in (B, T), tgt_out (B, T)] of one micro-batch, on the device."""
-        tensors = collate(self.data.src, self.data.tgt, self.keep[batch].tolist())
+    def tensors(self, batch: list[int], device: torch.device, epoch: int = 0) -> list[Tensor]:
+        """[src (B, S), tgt_in (B, T), tgt_out (B, T)] of one micro-batch of the epoch, on the device."""
+        tensors = collate(*self.sides[epoch % len(self.sides)], self.keep[batch].tolist())
         if device.type == "cuda":  # page-locked: the copy runs while the GPU computes
             return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
         return [t.to(device) for t in tensors]
@@ -369,14 +378,15 @@ def dropout_seed(seed: int, update: int, micro_batch: int) -> int:
 
 
 def update_groups(
-    lengths: tuple[np.ndarray, np.ndarray], cfg: TrainConfig, state: Progress, world: int = 1
+    lengths: Callable[[int], tuple[np.ndarray, np.ndarray]], cfg: TrainConfig, state: Progress, world: int = 1
 ) -> Iterator[list[list[int]] | None]:
     """The micro-batches of each update (accumulate on each of `world` ranks) from where `state` stands,
     epoch after epoch up to max_epochs, and None at the end of each epoch; state.epoch and state.batch
-    follow what has been given out. Every rank computes the same groups."""
+    follow what has been given out. lengths(epoch): (src, tgt) tokens of the pairs in that epoch's
+    segmentation. Every rank computes the same groups."""
     per_update = cfg.accumulate * world
     while not cfg.max_epochs or state.epoch < cfg.max_epochs:
-        batches = batch_plan(*lengths, cfg.max_tokens, seed=cfg.seed, epoch=state.epoch)
+        batches = batch_plan(*lengths(state.epoch), cfg.max_tokens, seed=cfg.seed, epoch=state.epoch)
         while state.batch < len(batches):
             group = batches[state.batch : state.batch + per_update]
             state.batch += len(group)
