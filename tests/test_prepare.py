@@ -178,3 +178,55 @@ def test_train_from_data_equals_train_from_files(corpus, tmp_path):
         assert (tmp_path / "data" / "checkpoints" / name / checkpoint.WEIGHTS).read_bytes() == want
     assert (tmp_path / "files" / "data" / MANIFEST).is_file()  # --train prepared into OUT/data
     assert not (tmp_path / "data" / "data").exists()  # --data is used where it is
+
+
+def test_bpe_dropout_views_are_other_segmentations_of_the_same_pairs(corpus, tmp_path):
+    """Each view holds every kept pair once more, in pieces the plain BPE would have merged: decoding any
+    view gives the text back exactly (byte-level BPE), and the views differ from it and from each other."""
+    options = TokenizerOptions(vocab_size=400, bpe_dropout=0.3, views=3)
+    data = prepare_files(tmp_path / "d", str(corpus), "en", "xx", options=options, **QUIET)
+    kept_src, kept_tgt, _ = clean_pairs(*read_parallel(corpus, "en", "xx"))
+    assert len(data.views) == 3 and data.manifest["bpe_dropout"] == 0.3
+    plain = (decoded(data.src), decoded(data.tgt))
+    assert plain == (data.tokenizer.encode_src(kept_src), data.tokenizer.encode_tgt(kept_tgt))
+    seen = [plain]
+    for src, tgt in data.views:
+        view = (decoded(src), decoded(tgt))
+        assert (
+            data.tokenizer.decode_src(view[0]) == kept_src and data.tokenizer.decode_tgt(view[1]) == kept_tgt
+        )
+        assert all(ids[-1] == 2 for ids in view[0] + view[1])  # each still ends with EOS
+        assert sum(map(len, view[0])) > sum(map(len, plain[0])) and sum(map(len, view[1])) > sum(
+            map(len, plain[1])
+        )
+        assert all(view != other for other in seen)
+        seen.append(view)
+    assert data.fingerprint()["bpe_dropout"] == "0.3 x 3 views"  # a resume must train on these same views
+    # Without BPE-dropout nothing changes, the fingerprint of older runs included.
+    none = prepare_files(
+        tmp_path / "n", str(corpus), "en", "xx", options=TokenizerOptions(vocab_size=400), **QUIET
+    )
+    assert none.views == [] and "bpe_dropout" not in none.fingerprint()
+    directory = data.commit(tmp_path / "DATA").directory
+    assert len(open_prepared(directory).views) == 3
+    with open(directory / "src.2.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ValueError, match=r"src\.2\.bin and src\.2\.len do not fit"):
+        open_prepared(directory)
+
+
+def test_bpe_dropout_needs_a_bpe_vocabulary(corpus, tmp_path):
+    options = TokenizerOptions(vocab_size=400, kind="word", bpe_dropout=0.1)
+    with pytest.raises(ValueError, match="BPE-dropout needs a BPE vocabulary"):
+        prepare_files(tmp_path / "w", str(corpus), "en", "xx", options=options, **QUIET)
+    code, _, stderr = run_cli(
+        ["prepare", "--train", corpus, "--src-lang", "en", "--tgt-lang", "xx", "--out", tmp_path / "c"]
+        + ["--tokenizer", "word", "--bpe-dropout", "0.1"]
+    )
+    assert code == 2 and "--bpe-dropout needs --tokenizer bpe" in stderr
+    for flag, value in (("--bpe-dropout", "1.0"), ("--bpe-dropout-views", "0")):
+        code, _, stderr = run_cli(
+            ["prepare", "--train", corpus, "--src-lang", "en", "--tgt-lang", "xx", "--out", tmp_path / "c"]
+            + [flag, value]
+        )
+        assert code == 2 and flag in stderr, stderr

@@ -14,6 +14,7 @@ from aiayn import train as train_module
 from aiayn.config import SearchConfig, TrainConfig, preset
 from aiayn.data import Corpus, collate, make_batches
 from aiayn.model import Transformer
+from aiayn.run import Run
 from aiayn.synthetic import generate
 from aiayn.tokenizer import PAD_ID, Tokenizer
 from aiayn.train import label_smoothed_loss, learning_rate, make_optimizer, rate
@@ -512,3 +513,57 @@ def test_the_search_a_run_is_trained_for_is_its_final_validation_and_its_models(
     untold = Translator.load(best_single, device="cpu")
     assert untold.search_config == wanted and untold.translate(corpus.valid_src) == told
     assert final["single_bleu"] == pytest.approx(sacrebleu.corpus_bleu(told, [corpus.valid_tgt]).score)
+
+
+def test_each_epoch_trains_on_its_bpe_dropout_view_and_a_resume_reaches_the_same_weights(
+    data, tmp_path, monkeypatch
+):
+    """With BPE-dropout the epochs take the prepared views in turn (batches planned on that view's
+    lengths); a pair is kept only if it fits max_len in every view; a run stopped in its second epoch
+    and resumed ends with the weights of one that was not."""
+    from aiayn.prepare import TokenizerOptions, prepare_corpus
+
+    tokenizer, corpus = data
+    options = TokenizerOptions(bpe_dropout=0.3, views=2)
+    prepared = prepare_corpus(
+        tmp_path / "data", corpus, tokenizer=tokenizer, options=options, say=lambda line: None
+    )
+    views = [([s.tolist() for s in src], [t.tolist() for t in tgt]) for src, tgt in prepared.views]
+    max_len = sorted(len(s) for s in views[1][0])[len(views[1][0]) // 2]  # about half the pairs fit
+    pairs = train_module.Pairs.of(prepared, max_len)
+    fits = [
+        i for i in range(len(prepared.src)) if all(len(v[k][i]) <= max_len for v in views for k in (0, 1))
+    ]
+    assert pairs.keep.tolist() == fits and pairs.too_long == len(prepared.src) - len(fits) > 0
+    for epoch in range(3):
+        src, tgt = views[epoch % 2]
+        assert [a.tolist() for a in pairs.lengths(epoch)] == [
+            [len(src[i]) for i in fits],
+            [len(tgt[i]) for i in fits],
+        ]
+        got = pairs.tensors([0, 2], CPU, epoch)
+        want = collate(src, tgt, [fits[0], fits[2]])
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+    model_config = small_model(tokenizer, dropout=0.1)
+    cfg = TrainConfig(max_updates=12, **(RESUME_CONFIG | {"max_tokens": 600}))  # the views are longer
+
+    def train_on(data, out, mode="new"):  # as `aiayn train --data DATA`: the views are those of DATA
+        return train_module.train(Run.open(out, mode, progress=False), model_config, cfg, data, device=CPU)
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_on(prepared, straight)
+    epochs = {r["step"]: r["epoch"] for r in read_metrics(straight) if "epoch" in r}
+    assert epochs[12] > epochs[8] > 0  # stopped in its second epoch or later, and crosses one more
+    with monkeypatch.context() as patch:
+        patch.setattr(train_module, "stop_reason", interrupt_at(8))
+        assert train_on(prepared, resumed).step == 8
+    assert train_on(prepared, resumed, mode="resume").step == 12
+    want, got = (weights(checkpoint.list_checkpoints(d)[-1]) for d in (straight, resumed))
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    plain = tmp_path / "plain"  # the same run on plain BPE
+    train_on(
+        prepare_corpus(tmp_path / "plain-data", corpus, tokenizer=tokenizer, say=lambda line: None), plain
+    )
+    plain_weights = weights(checkpoint.list_checkpoints(plain)[-1])
+    assert not all(torch.equal(plain_weights[name], want[name]) for name in want)
