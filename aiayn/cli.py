@@ -600,7 +600,7 @@ def tokenizer_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="P",
         help="train on segmentations that leave out each BPE merge with probability P (BPE-dropout; "
-        "default: the preset's, 0 for all but low-resource); validation and translation use plain BPE",
+        "default: the preset's, 0 in every preset); validation and translation use plain BPE",
     )
     p.add_argument(
         "--bpe-dropout-views",
