@@ -146,6 +146,7 @@ class BeamState:
     scores: Tensor  # (B, N) their summed log-probabilities, float32, best first
     n_finished: Tensor  # (B,) finished hypotheses so far
     best_finished: Tensor  # (B, n_best) the best finished scores, descending; -inf where there are fewer
+    limit_penalty: Tensor  # (B,) lp(limit): the most a live hypothesis' log-probability can be divided by
 
     def select(self, keep: Tensor) -> None:
         """Keep only sentences `keep` (B',)."""
@@ -155,6 +156,7 @@ class BeamState:
         self.scores = self.scores[keep]  # (B', N)
         self.n_finished = self.n_finished[keep]  # (B',)
         self.best_finished = self.best_finished[keep]  # (B', n_best)
+        self.limit_penalty = self.limit_penalty[keep]  # (B',)
 
 
 @torch.inference_mode()
@@ -183,7 +185,7 @@ def beam_search(
         max_len = max_lengths(src, config)
     limit = _limits(max_len, src)  # (B,)
     eos, bos = EOS_ID, BOS_ID
-    N, K, n_best = config.beam_size, 2 * config.beam_size, config.n_best
+    N, n_best = config.beam_size, config.n_best
     alpha, kind = config.alpha, config.length_penalty
     B, device = src.size(0), src.device
     if B == 0:
@@ -203,39 +205,21 @@ def beam_search(
         scores=scores,
         n_finished=torch.zeros(B, dtype=torch.long, device=device),
         best_finished=torch.full((B, n_best), -math.inf, device=device),
+        limit_penalty=length_penalty(limit, alpha, kind),
     )
+    # a compiled decoder runs the step's tensor work as one graph (compiled.py); the same function
+    candidates_of = getattr(model, "beam_candidates", beam_candidates)
+    length = torch.ones(1, dtype=torch.long, device=device)  # (1,) t + 1: every candidate's length
     last = src.new_full((B * N, 1), bos)  # (B*N, 1)
-    for t in range(T):
+    for _ in range(T):
         B = state.rows.numel()
         logits = model.decode(last, None, cache)[:, -1]  # (B*N, V); the cache holds what it needs of memory
-        candidates = torch.log_softmax(logits.float(), dim=-1)  # (B*N, V)
-        V = candidates.size(-1)
-        candidates = candidates.add_(state.scores.view(-1, 1)).view(B, N * V)  # (B, N*V), in place
-        top, flat = candidates.topk(K, dim=1)  # (B, K), best first
-        parent = flat // V + N * torch.arange(B, device=device)[:, None]  # (B, K) row in tokens/cache
-        token = flat % V  # (B, K)
-        is_eos = token == eos  # (B, K)
-        at_limit = state.limit <= t + 1  # (B,)
-
-        # Finished: EOS among the N best candidates; all N best when the sentence is at its limit.
-        final = torch.zeros_like(is_eos)  # (B, K)
-        final[:, :N] = is_eos[:, :N] | at_limit[:, None]
-        penalised = top / length_penalty(t + 1, alpha, kind)  # (B, K); all have length t+1
-        new = penalised.masked_fill(~final, -math.inf)  # (B, K)
-        both = torch.cat([state.best_finished, new], dim=1)  # (B, n_best + K)
-        state.best_finished = both.topk(n_best, dim=1).values  # (B, n_best)
-        state.n_finished += final.sum(dim=1)
-
-        # Live: the N best candidates that do not end in EOS (there are at least N of the 2N).
-        live = is_eos.int().sort(dim=1, stable=True).indices[:, :N]  # (B, N) in score order
-        state.scores = top.gather(1, live)  # (B, N)
-        live_parent = parent.gather(1, live)  # (B, N)
-        live_token = token.gather(1, live)  # (B, N)
-
-        bound = state.scores[:, 0] / length_penalty(state.limit, alpha, kind)  # (B,)
-        worst = state.best_finished[:, -1]  # (B,) the n_best-th best finished score
-        done = at_limit | ((state.n_finished >= n_best) & (bound <= worst))  # (B,)
-        any_final, any_done = torch.stack([final.any(), done.any()]).tolist()  # the step's one sync
+        (top, parent, token, final, penalised, state.best_finished, state.n_finished, state.scores,
+         live_parent, live_token, done, flags) = candidates_of(
+            logits.view(B, N, -1), state.scores, state.limit, state.limit_penalty, state.best_finished,
+            state.n_finished, length, n_best, alpha, kind)  # fmt: skip
+        any_final, any_done = flags.tolist()  # the step's one sync
+        length += 1
         if any_final:
             _collect(finished, state, final, parent, token, top, penalised, eos)
 
@@ -253,6 +237,73 @@ def beam_search(
         last = state.tokens[:, -1:]  # (B*N, 1)
 
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[:n_best] for hyps in finished]
+
+
+def beam_candidates(
+    logits: Tensor,
+    scores: Tensor,
+    limit: Tensor,
+    limit_penalty: Tensor,
+    best_finished: Tensor,
+    n_finished: Tensor,
+    length: Tensor,
+    n_best: int,
+    alpha: float,
+    kind: str,
+) -> tuple[Tensor, ...]:
+    """The tensor work of one beam step, with no sync: what beam_search does between the decoder's logits
+    and the Python that collects finished hypotheses (a compiled decoder runs it as one graph).
+
+    logits (B, N, V) of the live hypotheses; scores (B, N) their summed log-probabilities; limit (B,)
+    and limit_penalty (B,) = lp(limit); best_finished (B, n_best); n_finished (B,); length (1,) = t + 1,
+    the length every candidate has. Returns, K = 2N: top (B, K) candidate log-probabilities, best first;
+    parent (B, K) the row in the batch each extends; token (B, K); final (B, K) the finished ones;
+    penalised (B, K) = top / lp(length); the new best_finished, n_finished and scores (B, N) of the
+    live ones; live_parent (B, N); live_token (B, N); done (B,) sentences that are done; flags (2,)
+    whether any candidate is final, whether any sentence is done.
+    """
+    B, N, V = logits.shape
+    K = 2 * N
+    candidates = torch.log_softmax(logits.float(), dim=-1) + scores[:, :, None]  # (B, N, V)
+    top, flat = candidates.view(B, N * V).topk(K, dim=1)  # (B, K), best first
+    parent = flat // V + N * torch.arange(B, device=logits.device)[:, None]  # (B, K) row in tokens/cache
+    token = flat % V  # (B, K)
+    is_eos = token == EOS_ID  # (B, K)
+    at_limit = limit <= length  # (B,)
+
+    # Finished: EOS among the N best candidates; all N best when the sentence is at its limit.
+    first_n = torch.arange(K, device=logits.device) < N  # (K,)
+    final = (is_eos | at_limit[:, None]) & first_n  # (B, K)
+    penalised = top / length_penalty(length, alpha, kind)  # (B, K); all have length t+1
+    new = penalised.where(final, -math.inf)  # (B, K)
+    both = torch.cat([best_finished, new], dim=1)  # (B, n_best + K)
+    best_finished = both.topk(n_best, dim=1).values  # (B, n_best)
+    n_finished = n_finished + final.sum(dim=1)
+
+    # Live: the N best candidates that do not end in EOS (there are at least N of the 2N).
+    live = is_eos.int().sort(dim=1, stable=True).indices[:, :N]  # (B, N) in score order
+    scores = top.gather(1, live)  # (B, N)
+    live_parent = parent.gather(1, live)  # (B, N)
+    live_token = token.gather(1, live)  # (B, N)
+
+    bound = scores[:, 0] / limit_penalty  # (B,)
+    worst = best_finished[:, -1]  # (B,) the n_best-th best finished score
+    done = at_limit | ((n_finished >= n_best) & (bound <= worst))  # (B,)
+    flags = torch.stack([final.any(), done.any()])  # (2,)
+    return (
+        top,
+        parent,
+        token,
+        final,
+        penalised,
+        best_finished,
+        n_finished,
+        scores,
+        live_parent,
+        live_token,
+        done,
+        flags,
+    )
 
 
 def _collect(
@@ -298,6 +349,7 @@ __all__ = [
     "BeamState",
     "greedy_search",
     "beam_search",
+    "beam_candidates",
     "search",
     "length_penalty",
     "max_lengths",

@@ -195,6 +195,8 @@ class NoEos(nn.Module):
     def __init__(self, model: nn.Module, eos: int = 2):
         super().__init__()
         self.model, self.eos = model, eos
+        if hasattr(model, "beam_candidates"):  # a compiled decoder's beam work: search uses it as well
+            self.beam_candidates = model.beam_candidates
 
     def encode(self, src: Tensor):
         return self.model.encode(src)

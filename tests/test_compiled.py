@@ -8,7 +8,7 @@ from aiayn.compiled import CompiledDecoder, fingerprint
 from aiayn.config import SearchConfig, preset
 from aiayn.model import Transformer
 from aiayn.precision import for_inference
-from aiayn.search import search
+from aiayn.search import beam_candidates, search
 from aiayn.tokenizer import EOS_ID, PAD_ID
 
 V = 60
@@ -66,6 +66,26 @@ def test_one_graph_serves_every_source_length_and_batch_of_the_same_rows(decoder
             search(compiled, sources(2, 9, seed=2), config)  # 2 rows: a new graph
 
 
+def test_beam_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decoders):
+    """search.beam_candidates, compiled: the same hypotheses as eager, and sentences leaving the batch
+    (5, 4, ... 1 live) or another vocabulary size of the logits run without tracing it again."""
+    model, compiled = decoders
+    config = SearchConfig(beam_size=2, n_best=2, max_len_b=20)
+    for src in (sources(5, 9, seed=8), sources(1, 7, seed=9)):
+        want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
+        assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want
+    keys = {key[:2] for key in compiled._seen if key[0] == "beam"}
+    assert keys == {("beam", 1), ("beam", 2)}, "a graph for one live sentence and one for more"
+    with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():  # as search calls it
+        args = (torch.randn(3, 2, V - 7), torch.zeros(3, 2), torch.full((3,), 9), torch.ones(3),
+                torch.full((3, 2), -torch.inf), torch.zeros(3, dtype=torch.long), torch.ones(1, dtype=torch.long))  # fmt: skip
+        for got, expected in zip(
+            compiled.beam_candidates(*args, 2, config.alpha, config.length_penalty),
+            beam_candidates(*args, 2, config.alpha, config.length_penalty),
+        ):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)  # exact where not a float
+
+
 def test_a_batch_over_max_sentences_decodes_eagerly(decoders):
     model, _ = decoders
     compiled = CompiledDecoder(model, max_sentences=2, max_autotune=False)
@@ -73,7 +93,8 @@ def test_a_batch_over_max_sentences_decodes_eagerly(decoders):
     config = SearchConfig(beam_size=2, n_best=2, max_len_b=20)
     want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
     assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want
-    assert compiled.compile_seconds == 0.0  # nothing was compiled
+    # no graph of the model (beam search's own work is compiled once its live sentences fit)
+    assert {key[0] for key in compiled._seen} <= {"beam"}
 
 
 def test_compiled_int8_returns_eager_int8_tokens(decoders):
@@ -126,9 +147,11 @@ def test_a_store_serves_a_later_decoder_without_compiling(decoders, tmp_path):
     first = CompiledDecoder(model, store=tmp_path, max_autotune=False)
     check(first, 9)
     assert first.compile_seconds > 0
+    # encoder, cross keys/values and step, for 4 and 2 sentences; beam search's own work for 2 and 1
     assert (
-        len(list(tmp_path.glob("*.pt2"))) == 6
-    )  # encoder, cross keys/values and step, for 4 and 2 sentences
+        sorted(p.name.split("-")[0] for p in tmp_path.glob("*.pt2"))
+        == ["beam"] * 2 + ["cross"] * 2 + ["encoder"] * 2 + ["step"] * 2
+    )
     copy = Transformer(preset("tiny", vocab_size=V)).eval()
     copy.load_state_dict(model.state_dict())
     later = CompiledDecoder(copy, store=tmp_path, max_autotune=False)
