@@ -38,7 +38,7 @@ from torch.export import Dim
 
 from aiayn.model import DecoderCache, Memory, Transformer
 from aiayn.precision import cpu_flags, cpu_info
-from aiayn.search import beam_candidates
+from aiayn.search import beam_candidates, greedy_candidates
 from aiayn.tokenizer import PAD_ID
 
 
@@ -170,13 +170,14 @@ class CompiledDecoder:
             return logits
 
         # the step, and once per batch the encoder and the cross-attention keys/values (S is dynamic, rows
-        # are not), and beam search's own tensor work after each step; each compiled by torch.compile on
-        # its first call, or exported to the store
+        # are not), and a search's own tensor work after each step (beam or greedy); each compiled by
+        # torch.compile on its first call, or exported to the store
         self.graphs = {
             "step": step,
             "encoder": model.encoder_states,
             "cross": model.cross_keys_values,
             "beam": beam_candidates,
+            "greedy": greedy_candidates,
         }
         self.compiled = {
             name: torch.compile(fn, fullgraph=True, options=self.options) for name, fn in self.graphs.items()
@@ -252,17 +253,29 @@ class CompiledDecoder:
         """search.beam_candidates (logits (B, N, V), the beam's state, n_best, alpha, kind) as one graph for
         one sentence and one for any number of them (B and V dynamic), per beam, n_best and penalty: at
         one sentence of `small`, eager, its 30-odd operators took half as long as the compiled step."""
-        B, N = logits.shape[:2]
-        n_best, alpha, kind = state[-3:]
-        if B > self.max_sentences:
+        if logits.size(0) > self.max_sentences:
             return beam_candidates(logits, *state)
-        key = ("beam", min(B, 2), N, n_best, alpha, kind, str(logits.dtype))
+        key = ("beam", min(logits.size(0), 2), logits.size(1), *state[-3:], str(logits.dtype))
+        return self._search_work(key, 2, (logits, *state[:5]), (logits, *state))
+
+    def greedy_candidates(self, logits: Tensor, *state: Tensor) -> tuple[Tensor, ...]:
+        """search.greedy_candidates (logits (B, V), log_prob, limit, length) as one graph for one sentence
+        and one for any number (B and V dynamic)."""
+        if logits.size(0) > self.max_sentences:
+            return greedy_candidates(logits, *state)
+        key = ("greedy", min(logits.size(0), 2), str(logits.dtype))
+        return self._search_work(key, 1, (logits, *state[:2]), (logits, *state))
+
+    def _search_work(self, key: tuple, vocabulary: int, batched: tuple[Tensor, ...], args: tuple) -> Any:
+        """Graph key, a search's own work after a step, on args: batched[0] is the logits, whose size along
+        dim `vocabulary` changes (a shortlist), and each of `batched` has the sentences along dim 0,
+        dynamic past one (a size of 1 is a graph of its own)."""
         if key not in self._seen and key not in self._packages:  # the sizes a graph takes as dynamic
-            _dynamic(logits, 2)
-            if B > 1:  # (a size of 1 is a graph of its own)
-                for t in (logits, *state[:5]):
+            _dynamic(batched[0], vocabulary)
+            if key[1] > 1:
+                for t in batched:
                     _dynamic(t, 0)
-        return self._call(key, logits, *state)
+        return self._call(key, *args)
 
     def _call(self, key: tuple, *args: Any) -> Any:
         """The graph key[0] of self.graphs on args; the key names the graph (what changes a shape the graph
@@ -325,7 +338,7 @@ class CompiledDecoder:
             )
             with torch.inference_mode(False), torch.no_grad():  # inference tensors cannot be traced in place
                 example = pytree.tree_map_only(Tensor, torch.clone, args)
-                module = _Graph(self.graphs[key[0]], None if key[0] == "beam" else self.model)
+                module = _Graph(self.graphs[key[0]], None if key[0] in ("beam", "greedy") else self.model)
                 program = torch.export.export(module, example, dynamic_shapes={"args": shapes}, strict=False)
                 temporary = path.with_name(f".{os.getpid()}.{path.name}")  # a name of its own, ending .pt2
                 try:
@@ -363,7 +376,7 @@ class _Graph(torch.nn.Module):
 
     def __init__(self, fn: Callable, model: Transformer | None):
         super().__init__()
-        self.fn, self.model = fn, model  # None: a graph that reads no weights (beam search's own work)
+        self.fn, self.model = fn, model  # None: a graph that reads no weights (a search's own work)
 
     def forward(self, *args: Any) -> Any:
         return self.fn(*args)

@@ -106,23 +106,27 @@ def _greedy(model: Seq2Seq, src: Tensor, limit: Tensor, alpha: float, kind: str)
     cache = model.new_cache(memory, T)  # T decoder positions: BOS and the first T-1 outputs
     rows = torch.arange(B, device=src.device)  # (B,) input position of each live sentence
     out = src.new_full((B, T), PAD_ID)  # (B, T) all sentences, live or done
-    log_prob = torch.zeros(B, device=src.device)  # (B,) float32
+    log_prob = torch.zeros(B, device=src.device)  # (B,) float32, all sentences; set when one stops
     length = limit.clone()  # (B,) tokens produced, EOS included; set when a sentence stops
+    live_log_prob, live_limit = log_prob.clone(), limit  # (B,) of the live sentences
+    # a compiled decoder runs the step's tensor work as one graph (compiled.py); the same function
+    candidates_of = getattr(model, "greedy_candidates", greedy_candidates)
+    produced = torch.ones(1, dtype=torch.long, device=src.device)  # (1,) t + 1
     last = src.new_full((B, 1), BOS_ID)  # (B, 1)
     for t in range(T):
         logits = model.decode(last, None, cache)[:, -1]  # (B, V); the cache holds what it needs of memory
-        lprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
-        best, token = lprobs.max(dim=-1)  # (B,), (B,)
+        token, live_log_prob, done, any_done = candidates_of(logits, live_log_prob, live_limit, produced)
         out[rows, t] = token
-        log_prob[rows] += best
-        done = (token == EOS_ID) | (limit[rows] <= t + 1)  # (B,)
-        if bool(done.any()):
+        produced += 1
+        if bool(any_done):  # the step's one sync
             length[rows[done]] = t + 1
+            log_prob[rows[done]] = live_log_prob[done]
             keep = (~done).nonzero().squeeze(1)  # (B',)
             if keep.numel() == 0:
                 break
             cache.reorder(keep, sentences=keep)  # the finished sentences leave the batch
             rows, token = rows[keep], token[keep]  # (B',)
+            live_log_prob, live_limit = live_log_prob[keep], live_limit[keep]
         last = token[:, None]  # (B, 1)
     penalty = length_penalty(length, alpha, kind)  # (B,)
     score = (log_prob / penalty).tolist()
@@ -131,6 +135,23 @@ def _greedy(model: Seq2Seq, src: Tensor, limit: Tensor, alpha: float, kind: str)
         tokens = tokens[: n - 1] if tokens[n - 1] == EOS_ID else tokens[:n]
         results.append(Hypothesis(tokens, s, lp))
     return results
+
+
+def greedy_candidates(
+    logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The tensor work of one greedy step, with no sync (a compiled decoder runs it as one graph).
+
+    logits (B, V) of the live sentences; log_prob (B,) their summed log-probabilities so far; limit (B,)
+    their maximum lengths; length (1,) = t + 1, the length of the token chosen now. Returns token (B,)
+    the most probable; log_prob (B,) with its log-probability added; done (B,) the sentences ending
+    now (EOS or their limit); any_done (), whether there is one.
+    """
+    logits = logits.float()
+    best, token = logits.max(dim=-1)  # (B,), (B,)
+    log_prob = log_prob + (best - torch.logsumexp(logits, dim=-1))  # log_softmax at the best token
+    done = (token == EOS_ID) | (limit <= length)  # (B,)
+    return token, log_prob, done, done.any()
 
 
 # --- Beam search -----------------------------------------------------------------------------------
@@ -350,6 +371,7 @@ __all__ = [
     "greedy_search",
     "beam_search",
     "beam_candidates",
+    "greedy_candidates",
     "search",
     "length_penalty",
     "max_lengths",

@@ -195,8 +195,9 @@ class NoEos(nn.Module):
     def __init__(self, model: nn.Module, eos: int = 2):
         super().__init__()
         self.model, self.eos = model, eos
-        if hasattr(model, "beam_candidates"):  # a compiled decoder's beam work: search uses it as well
-            self.beam_candidates = model.beam_candidates
+        for work in ("beam_candidates", "greedy_candidates"):  # a compiled decoder's search work: search
+            if hasattr(model, work):  # uses it as well
+                setattr(self, work, getattr(model, work))
 
     def encode(self, src: Tensor):
         return self.model.encode(src)

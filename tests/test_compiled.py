@@ -8,7 +8,7 @@ from aiayn.compiled import CompiledDecoder, fingerprint
 from aiayn.config import SearchConfig, preset
 from aiayn.model import Transformer
 from aiayn.precision import for_inference
-from aiayn.search import beam_candidates, search
+from aiayn.search import beam_candidates, greedy_candidates, search
 from aiayn.tokenizer import EOS_ID, PAD_ID
 
 V = 60
@@ -66,24 +66,35 @@ def test_one_graph_serves_every_source_length_and_batch_of_the_same_rows(decoder
             search(compiled, sources(2, 9, seed=2), config)  # 2 rows: a new graph
 
 
-def test_beam_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decoders):
-    """search.beam_candidates, compiled: the same hypotheses as eager, and sentences leaving the batch
-    (5, 4, ... 1 live) or another vocabulary size of the logits run without tracing it again."""
+@pytest.mark.parametrize("beam_size", [1, 2])
+def test_a_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decoders, beam_size):
+    """search.beam_candidates and search.greedy_candidates, compiled: the same hypotheses as eager, and
+    sentences leaving the batch (5, 4, ... 1 live) or another vocabulary size of the logits run without
+    tracing them again."""
     model, compiled = decoders
-    config = SearchConfig(beam_size=2, n_best=2, max_len_b=20)
+    config = SearchConfig(beam_size=beam_size, n_best=beam_size, max_len_b=20)
     for src in (sources(5, 9, seed=8), sources(1, 7, seed=9)):
         want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
         assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want
-    keys = {key[:2] for key in compiled._seen if key[0] == "beam"}
-    assert keys == {("beam", 1), ("beam", 2)}, "a graph for one live sentence and one for more"
+    name = "beam" if beam_size > 1 else "greedy"
+    assert {key[:2] for key in compiled._seen if key[0] == name} == {(name, 1), (name, 2)}, (
+        "a graph for one live sentence and one for more"
+    )
     with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():  # as search calls it
-        args = (torch.randn(3, 2, V - 7), torch.zeros(3, 2), torch.full((3,), 9), torch.ones(3),
-                torch.full((3, 2), -torch.inf), torch.zeros(3, dtype=torch.long), torch.ones(1, dtype=torch.long))  # fmt: skip
-        for got, expected in zip(
-            compiled.beam_candidates(*args, 2, config.alpha, config.length_penalty),
-            beam_candidates(*args, 2, config.alpha, config.length_penalty),
-        ):
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)  # exact where not a float
+        if beam_size > 1:
+            args = (torch.randn(3, 2, V - 7), torch.zeros(3, 2), torch.full((3,), 9), torch.ones(3),
+                    torch.full((3, 2), -torch.inf), torch.zeros(3, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                    2, config.alpha, config.length_penalty)  # fmt: skip
+        else:
+            args = (torch.randn(3, V - 7), torch.zeros(3), torch.full((3,), 9), torch.full((1,), 9))
+        got = getattr(compiled, f"{name}_candidates")(*args)
+        expected = (beam_candidates if beam_size > 1 else greedy_candidates)(*args)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # exact where not a float
+    if beam_size == 1:
+        assert expected[2].tolist() == [True] * 3 and expected[3]  # at its limit, every sentence is done
+        torch.testing.assert_close(expected[1], torch.log_softmax(args[0], -1).max(-1).values)
 
 
 def test_a_batch_over_max_sentences_decodes_eagerly(decoders):
@@ -148,10 +159,11 @@ def test_a_store_serves_a_later_decoder_without_compiling(decoders, tmp_path):
     first = CompiledDecoder(model, store=tmp_path, max_autotune=False)
     check(first, 9)
     assert first.compile_seconds > 0
-    # encoder, cross keys/values and step, for 4 sentences and for 1; beam search's own work for 1
+    # encoder, cross keys/values and step, for 4 sentences and for 1; beam search's own work for 1,
+    # greedy search's for 3 and fewer live sentences and for 1
     assert (
         sorted(p.name.split("-")[0] for p in tmp_path.glob("*.pt2"))
-        == ["beam"] + ["cross"] * 2 + ["encoder"] * 2 + ["step"] * 2
+        == ["beam"] + ["cross"] * 2 + ["encoder"] * 2 + ["greedy"] * 2 + ["step"] * 2
     )
     copy = Transformer(preset("tiny", vocab_size=V)).eval()
     copy.load_state_dict(model.state_dict())
