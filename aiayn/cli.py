@@ -177,11 +177,13 @@ def training_data(args: argparse.Namespace, run, cfg: TrainConfig):
         )
         return data
     # A resume of a run from before OUT/data existed prepares with the run's own vocabulary.
-    return prepare_from(args, run.data_dir, cfg.seed, run.saved_tokenizer() if run.resuming else None)
+    tokenizer = run.saved_tokenizer() if run.resuming else None
+    return prepare_from(args, run.data_dir, cfg.seed, tokenizer, minutes=cfg.max_minutes)
 
 
-def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None):
-    """prepare_files of what --train, --valid, --valid-fraction and the tokenizer flags name."""
+def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None, minutes: float = 0.0):
+    """prepare_files of what --train, --valid, --valid-fraction and the tokenizer flags name, for a
+    training run of this time budget (0: none, as `aiayn prepare` knows none)."""
     from aiayn.prepare import prepare_files
 
     return prepare_files(
@@ -195,13 +197,14 @@ def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None
         errors=args.encoding_errors,
         data_files=data_files(args.data_files),
         tokenizer=tokenizer,
-        options=tokenizer_options(args),
+        options=tokenizer_options(args, minutes),
         say=say,
     )
 
 
-def tokenizer_options(args: argparse.Namespace):
-    """--vocab-size, --tokenizer, --separate-vocab, --tokenizer-sample; refused now if they cannot work."""
+def tokenizer_options(args: argparse.Namespace, minutes: float = 0.0):
+    """--vocab-size, --tokenizer, --separate-vocab, --tokenizer-sample, --bpe-dropout for a training run
+    of this time budget (the recipe's BPE-dropout depends on it); refused now if they cannot work."""
     from aiayn.prepare import TokenizerOptions
     from aiayn.tokenizer import Tokenizer
 
@@ -209,7 +212,7 @@ def tokenizer_options(args: argparse.Namespace):
     vocab_size, bpe_dropout = args.vocab_size, args.bpe_dropout
     if preset_name is not None:
         vocab_size = recipe(preset_name).vocab_size if vocab_size is None else vocab_size
-        bpe_dropout = recipe(preset_name).bpe_dropout if bpe_dropout is None else bpe_dropout
+        bpe_dropout = recipe(preset_name).bpe_dropout_for(minutes) if bpe_dropout is None else bpe_dropout
     Tokenizer.check_options(recipe("small").vocab_size if vocab_size is None else vocab_size, args.tokenizer)
     if args.tokenizer_sample < 1:
         raise ValueError(f"--tokenizer-sample must be at least 1, got {args.tokenizer_sample}")
@@ -228,6 +231,8 @@ def tokenizer_options(args: argparse.Namespace):
         args.tokenizer_sample,
         bpe_dropout if args.tokenizer == "bpe" else 0.0,
         views,
+        bpe_dropout_target=not args.bpe_dropout_source_only,
+        minutes=minutes,
     )
 
 
@@ -600,7 +605,8 @@ def tokenizer_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="P",
         help="train on segmentations that leave out each BPE merge with probability P (BPE-dropout; "
-        "default: the preset's, 0 in every preset); validation and translation use plain BPE",
+        "default: the preset's for the run's time budget: low-resource's 0.1 with --max-minutes 60 or more, "
+        "else 0); validation and translation use plain BPE",
     )
     p.add_argument(
         "--bpe-dropout-views",
@@ -608,6 +614,11 @@ def tokenizer_flags(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="segmentations drawn once when preparing, one per epoch in turn (default 16; each takes the "
         "disk of the ids)",
+    )
+    p.add_argument(
+        "--bpe-dropout-source-only",
+        action="store_true",
+        help="BPE-dropout of the source sentences only: the target side keeps its one segmentation",
     )
 
 

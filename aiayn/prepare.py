@@ -101,7 +101,8 @@ class Prepared:
         keys = ("src_lang", "tgt_lang", "train_data", "valid_data")
         fingerprint = {key: self.manifest[key] for key in keys}
         if self.views:  # other segmentations are other training data (named only where there are some)
-            fingerprint["bpe_dropout"] = f"{self.manifest['bpe_dropout']} x {len(self.views)} views"
+            sides = " of the source" if self.manifest.get("bpe_dropout_sides") == "source" else ""
+            fingerprint["bpe_dropout"] = f"{self.manifest['bpe_dropout']} x {len(self.views)} views{sides}"
         return fingerprint
 
     def commit(self, dest: str | Path, replace: bool = False) -> Prepared:
@@ -165,6 +166,8 @@ class TokenizerOptions:
     sample: int = SAMPLE
     bpe_dropout: float | None = None  # None: the recipe's for a corpus of this size; 0: one segmentation
     views: int = VIEWS  # segmentations drawn with BPE-dropout, one per epoch in turn
+    bpe_dropout_target: bool = True  # False: BPE-dropout of the source side only, the target as it is
+    minutes: float = 0.0  # the training's time budget (0: none): the recipe's BPE-dropout depends on it
 
 
 def prepare(
@@ -208,7 +211,7 @@ def prepare(
             n = sum(1 for _ in _cleaned(pairs))  # which pairs to hold out and sample depends on how many
             if valid_fraction is not None:
                 held = _held_out(n, valid_fraction, seed)
-        bpe_dropout = options.bpe_dropout or 0.0
+        bpe_dropout, why = options.bpe_dropout or 0.0, ""
         if tokenizer is None:
             trainable = n - (int(held.sum()) if held is not None else 0)
             if not trainable:
@@ -218,14 +221,19 @@ def prepare(
             chosen_recipe = recipe(preset_for_corpus(trainable))
             size = options.vocab_size or chosen_recipe.vocab_size
             if options.bpe_dropout is None and options.kind == "bpe":
-                bpe_dropout = chosen_recipe.bpe_dropout
+                bpe_dropout = chosen_recipe.bpe_dropout_for(options.minutes)
+                why = f" (the recipe's for {trainable:,} pairs and {options.minutes:g} minutes)"
             say(f"tokenizer: learning {options.kind} vocab_size {size} from {len(sample[0])} pairs")
             kind, joint = options.kind, options.joint
             tokenizer = Tokenizer.train(*sample, vocab_size=size, kind=kind, joint=joint)
         tokenizer.save(tmp)
-        views = [tokenizer.with_dropout(bpe_dropout)] * options.views if bpe_dropout else []
-        if views:
-            say(f"BPE-dropout {bpe_dropout}: {len(views)} more segmentations of the training pairs")
+        views = []
+        if bpe_dropout:
+            views = [tokenizer.with_dropout(bpe_dropout, options.bpe_dropout_target)] * options.views
+            sides = "" if options.bpe_dropout_target else " (their sources)"
+            say(
+                f"BPE-dropout {bpe_dropout}{why}: {len(views)} more segmentations of the training pairs{sides}"
+            )
         report, held_pairs = _encode(tmp, pairs, held, tokenizer, views)
         say(f"training pairs: {report}")
         if report["kept"] - len(held_pairs[0]) == 0:
@@ -243,6 +251,7 @@ def prepare(
             source=source or {},
             tokenizer={"vocab_size": tokenizer.src_vocab_size, "joint": tokenizer.joint},
             bpe_dropout=bpe_dropout,
+            **({} if options.bpe_dropout_target or not views else {"bpe_dropout_sides": "source"}),
         )
         write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         return open_prepared(tmp)

@@ -123,20 +123,23 @@ class Tokenizer:
             raise ValueError(f"no tokenizer in {directory}: expected {expected}")
         raise ValueError(f"{directory} holds {', '.join(found)}: expected {expected}")
 
-    def with_dropout(self, p: float) -> Tokenizer:
+    def with_dropout(self, p: float, target: bool = True) -> Tokenizer:
         """A copy whose BPE leaves out each merge with probability p while encoding (BPE-dropout, Provilkov
-        et al., 2020): many segmentations of one text from one vocabulary, for training only. Decoding is
-        unchanged. The library draws from an unseeded generator, so two calls segment differently."""
+        et al., 2020): many segmentations of one text from one vocabulary, for training only; of the
+        source side alone when not target. Decoding is unchanged. The library draws from an unseeded
+        generator, so two calls segment differently."""
         if not 0.0 < p < 1.0:
             raise ValueError(f"BPE-dropout must be in (0, 1), got {p}")
         copies = {}
-        for tok in (self._src, self._tgt):
+        for tok in (self._src, self._tgt) if target else (self._src,):
             if not isinstance(tok.model, models.BPE):
                 raise ValueError("BPE-dropout needs a BPE vocabulary (--tokenizer bpe), not a word-level one")
             if id(tok) not in copies:
                 copy = HFTokenizer.from_str(tok.to_str())
                 copy.model.dropout = p
                 copies[id(tok)] = copy
+        if not target:  # two objects now, so not joint, though it encodes with the one vocabulary
+            return Tokenizer(copies[id(self._src)], self._tgt, joint=False)
         return Tokenizer(copies[id(self._src)], copies[id(self._tgt)], joint=self.joint)
 
     @property

@@ -59,6 +59,7 @@ CONFIGS = {  # name: (flags, minutes, seeds)
     "all-60": (RECIPE, 60, (1,)),
     "bpedrop-30": (RECIPE + ["--bpe-dropout", "0.1"], 30, (1,)),  # BPE-dropout (Provilkov et al., 2020)
     "bpedrop-60": (RECIPE + ["--bpe-dropout", "0.1"], 60, (1,)),
+    "bpedrop-src-30": (RECIPE + ["--bpe-dropout", "0.1", "--bpe-dropout-source-only"], 30, (1,)),
 }
 
 

@@ -98,6 +98,32 @@ def test_without_a_preset_the_corpus_size_picks_one_and_says_so(workdir, tmp_pat
     assert json.loads((tmp_path / "large" / "train.json").read_text())["max_tokens"] == 4096
 
 
+def test_the_recipe_takes_bpe_dropout_for_a_time_budget_of_its_length(workdir, tmp_path):
+    """The low-resource recipe's BPE-dropout is for budgets of bpe_dropout_minutes or more (where it paid):
+    a run given that long prepares other segmentations, one given half (or no budget) does not, a named
+    preset follows the same rule, and --bpe-dropout wins over the recipe."""
+    from aiayn import config
+
+    chosen = config.RECIPES["low-resource"]
+    assert chosen.bpe_dropout > 0 and chosen.bpe_dropout_minutes > 0
+    root, long, half = workdir[0], chosen.bpe_dropout_minutes, chosen.bpe_dropout_minutes / 2
+    args = ["train", "--train", root / "train", "--valid", root / "valid", "--src-lang", "en", "--tgt-lang", "xx",
+            "--max-updates", 1, "--set", "dtype=fp32", "--bpe-dropout-views", 2]  # fmt: skip
+    for name, flags, expected in (
+        ("long", ["--max-minutes", long], chosen.bpe_dropout),
+        ("half", ["--max-minutes", half], 0.0),
+        ("none", [], 0.0),
+        ("preset", ["--preset", "low-resource", "--max-minutes", long], chosen.bpe_dropout),
+        ("off", ["--max-minutes", long, "--bpe-dropout", 0], 0.0),
+    ):
+        code, _, stderr = run([*args, "--out", tmp_path / name, *flags])
+        assert code == 0, stderr
+        manifest = json.loads((tmp_path / name / "data" / "manifest.json").read_text())
+        assert manifest["bpe_dropout"] == expected, name
+        assert len(manifest.get("views", [])) == (2 if expected else 0), name
+        assert ("recipe's for 250 pairs" in stderr) == (name == "long"), name  # says why, when it chose
+
+
 def test_translate_one_line_per_input_line(workdir):
     root, model, _, n_lines = workdir
     code, _, stderr = run(

@@ -215,6 +215,30 @@ def test_bpe_dropout_views_are_other_segmentations_of_the_same_pairs(corpus, tmp
         open_prepared(directory)
 
 
+def test_bpe_dropout_of_the_source_only_keeps_the_targets_one_segmentation(corpus, tmp_path):
+    options = TokenizerOptions(vocab_size=400, bpe_dropout=0.3, views=2, bpe_dropout_target=False)
+    data = prepare_files(tmp_path / "d", str(corpus), "en", "xx", options=options, **QUIET)
+    assert data.manifest["bpe_dropout_sides"] == "source"
+    assert data.fingerprint()["bpe_dropout"] == "0.3 x 2 views of the source"
+    for src, tgt in data.views:
+        assert decoded(tgt) == decoded(data.tgt) and decoded(src) != decoded(data.src)
+        assert data.tokenizer.decode_src(decoded(src)) == data.tokenizer.decode_src(decoded(data.src))
+    code, _, stderr = run_cli(
+        ["prepare", "--train", corpus, "--src-lang", "en", "--tgt-lang", "xx", "--out", tmp_path / "c"]
+        + [
+            "--vocab-size",
+            "400",
+            "--bpe-dropout",
+            "0.3",
+            "--bpe-dropout-views",
+            "2",
+            "--bpe-dropout-source-only",
+        ]
+    )
+    assert code == 0, stderr
+    assert open_prepared(tmp_path / "c").manifest["bpe_dropout_sides"] == "source"
+
+
 def test_bpe_dropout_needs_a_bpe_vocabulary(corpus, tmp_path):
     options = TokenizerOptions(vocab_size=400, kind="word", bpe_dropout=0.1)
     with pytest.raises(ValueError, match="BPE-dropout needs a BPE vocabulary"):
