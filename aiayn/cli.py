@@ -220,6 +220,8 @@ def tokenizer_options(args: argparse.Namespace, minutes: float = 0.0):
         raise ValueError(f"--bpe-dropout must be in [0, 1), got {args.bpe_dropout}")
     if args.bpe_dropout and args.tokenizer != "bpe":
         raise ValueError(f"--bpe-dropout needs --tokenizer bpe, not {args.tokenizer}")
+    if args.bpe_dropout_source_only and bpe_dropout == 0.0:  # (None: the recipe decides, in prepare)
+        raise ValueError("--bpe-dropout-source-only needs BPE-dropout: give --bpe-dropout P")
     views = TokenizerOptions.views if args.bpe_dropout_views is None else args.bpe_dropout_views
     if views < 1:
         raise ValueError(f"--bpe-dropout-views must be at least 1, got {views}")

@@ -223,6 +223,11 @@ def prepare(
             if options.bpe_dropout is None and options.kind == "bpe":
                 bpe_dropout = chosen_recipe.bpe_dropout_for(options.minutes)
                 why = f" (the recipe's for {trainable:,} pairs and {options.minutes:g} minutes)"
+            if not bpe_dropout and not options.bpe_dropout_target:
+                raise ValueError(
+                    f"--bpe-dropout-source-only, but the recipe for {trainable:,} pairs and "
+                    f"{options.minutes:g} minutes takes no BPE-dropout: give --bpe-dropout P"
+                )
             say(f"tokenizer: learning {options.kind} vocab_size {size} from {len(sample[0])} pairs")
             kind, joint = options.kind, options.joint
             tokenizer = Tokenizer.train(*sample, vocab_size=size, kind=kind, joint=joint)

@@ -122,6 +122,10 @@ def test_the_recipe_takes_bpe_dropout_for_a_time_budget_of_its_length(workdir, t
         assert manifest["bpe_dropout"] == expected, name
         assert len(manifest.get("views", [])) == (2 if expected else 0), name
         assert ("recipe's for 250 pairs" in stderr) == (name == "long"), name  # says why, when it chose
+    for flags in (["--max-minutes", half], ["--bpe-dropout", 0]):  # source-only, and no BPE-dropout to do
+        code, _, stderr = run([*args, "--out", tmp_path / "refused", "--bpe-dropout-source-only", *flags])
+        assert code == 2 and "--bpe-dropout-source-only" in stderr and "give --bpe-dropout P" in stderr
+        assert "Traceback" not in stderr
 
 
 def test_translate_one_line_per_input_line(workdir):
