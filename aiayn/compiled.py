@@ -391,10 +391,19 @@ def default_store() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aiayn" / "compiled"
 
 
+# The source files the graphs are traced from: a package compiled from other code (an older aiayn, or
+# one edited in place) must never be loaded, whatever the weights.
+TRACED_CODE = ("model.py", "precision.py", "search.py", "compiled.py")
+
+
 def fingerprint(model: torch.nn.Module, options: dict) -> str:
-    """A hash of what a compiled package depends on: the weights and the modules that use them, the
-    compile options, PyTorch's version and the processor (kernels are compiled for its instructions)."""
+    """A hash of what a compiled package depends on: the weights, the modules that use them and the
+    model's configuration (pre- or post-norm, say, which no weight shows), the code traced, the compile
+    options, PyTorch's version and the processor (kernels are compiled for its instructions)."""
     digest = hashlib.blake2b(digest_size=12)
+    for name in TRACED_CODE:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    digest.update(repr(getattr(model, "config", None)).encode())
     modules = [(name, type(m).__name__, getattr(m, "w8a8", None)) for name, m in model.named_modules()]
     cpu = cpu_info()
     device = next(model.parameters()).device

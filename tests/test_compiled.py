@@ -1,10 +1,12 @@
 """The compiled decoding step (compiled.py) against eager decoding, and its graphs counted: a step that
 torch.compile traced again, or gave up on, must fail a test rather than run slowly unnoticed."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from aiayn.compiled import CompiledDecoder, fingerprint
+from aiayn.compiled import TRACED_CODE, CompiledDecoder, fingerprint
 from aiayn.config import SearchConfig, preset
 from aiayn.model import Transformer
 from aiayn.precision import for_inference
@@ -173,17 +175,31 @@ def test_a_store_serves_a_later_decoder_without_compiling(decoders, tmp_path):
     assert later.compile_seconds == 0.0 and later.load_seconds > 0
 
 
-def test_a_package_is_named_for_the_weights_and_options_it_was_compiled_with(decoders):
-    """Packages hold the weights as constants: another model's weights, or other compile options, must
-    never load a package compiled for these."""
+def test_a_package_is_named_for_the_weights_options_and_code_it_was_compiled_with(
+    decoders, tmp_path, monkeypatch
+):
+    """Packages hold the weights as constants and the traced code as kernels: another model's weights,
+    the same weights read as another architecture (two heads instead of four: no weight shows it), other
+    compile options, or other code (an aiayn upgraded or edited in place) must never load a package
+    compiled for these."""
     model, _ = decoders
+    options = {"max_autotune": False}
     copy = Transformer(preset("tiny", vocab_size=V)).eval()
     copy.load_state_dict(model.state_dict())
-    assert fingerprint(copy, {"max_autotune": False}) == fingerprint(model, {"max_autotune": False})
-    assert fingerprint(model, {"max_autotune": True}) != fingerprint(model, {"max_autotune": False})
+    assert fingerprint(copy, options) == fingerprint(model, options)
+    assert fingerprint(model, {"max_autotune": True}) != fingerprint(model, options)
+    two_heads = Transformer(dataclasses.replace(model.config, n_heads=2)).eval()
+    two_heads.load_state_dict(model.state_dict())
+    assert fingerprint(two_heads, options) != fingerprint(model, options)
+    source = tmp_path / "search.py"  # the traced code, as a file of another version
+    source.write_text("# one version\n")
+    monkeypatch.setattr("aiayn.compiled.TRACED_CODE", (*TRACED_CODE, str(source)))
+    before = fingerprint(model, options)
+    source.write_text("# another version\n")
+    assert fingerprint(model, options) != before
     with torch.no_grad():
         copy.decoder[0].feed_forward.w_2.bias[0] += 1e-6
-    assert fingerprint(copy, {"max_autotune": False}) != fingerprint(model, {"max_autotune": False})
+    assert fingerprint(copy, options) != fingerprint(model, options)
 
 
 def test_a_store_that_cannot_be_written_is_a_clear_error(decoders, tmp_path):
