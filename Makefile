@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	.venv/bin/aiayn demo --out runs/demo
 
+# A worker per core (-n auto), a test file to a worker (its module fixtures, compiled graphs included, made once).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_train.py
