@@ -19,7 +19,8 @@ Configurations (both directions):
   of the best single model and the average). At 15, 30 and 60 minutes; two seeds at 30. At 60 minutes
   the recipe trains with BPE-dropout 0.1 (config.Recipe.bpe_dropout_for).
 - plain-60: the same at 60 minutes without BPE-dropout (`--bpe-dropout 0`): what an hour gave before.
-- bpedrop-30, bpedrop-src-30: BPE-dropout 0.1 at 30 minutes, of both sides and of the source only.
+- bpedrop-30, bpedrop-src-30: BPE-dropout 0.1 at 30 minutes, of both sides and of the source only;
+  bpedrop-src-60: the source only at 60 (de->en's README command at 60 minutes).
 
     python benchmarks/bench_budget.py [--only all-30,before-30,...] [--directions de-en,en-de] [--plot FILE]
 
@@ -63,6 +64,7 @@ CONFIGS = {  # name: (flags, minutes, seeds)
     "plain-60": (RECIPE + ["--bpe-dropout", "0"], 60, (1,)),  # ... and here does not
     "bpedrop-30": (RECIPE + ["--bpe-dropout", "0.1"], 30, (1,)),  # BPE-dropout (Provilkov et al., 2020)
     "bpedrop-src-30": (RECIPE + ["--bpe-dropout", "0.1", "--bpe-dropout-source-only"], 30, (1,)),
+    "bpedrop-src-60": (RECIPE + ["--bpe-dropout", "0.1", "--bpe-dropout-source-only"], 60, (1,)),
 }
 
 
