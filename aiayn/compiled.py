@@ -398,7 +398,7 @@ TRACED_CODE = ("model.py", "precision.py", "search.py", "compiled.py")
 
 def fingerprint(model: torch.nn.Module, options: dict) -> str:
     """A hash of what a compiled package depends on: the weights, the modules that use them and the
-    model's configuration (pre- or post-norm, say, which no weight shows), the code traced, the compile
+    model's configuration (the number of heads, say, which no weight shows), the code traced, the compile
     options, PyTorch's version and the processor (kernels are compiled for its instructions)."""
     digest = hashlib.blake2b(digest_size=12)
     for name in TRACED_CODE:

@@ -78,6 +78,11 @@ COMMAND = {"de-en": "bpedrop-src", "en-de": "all"}
 NAMES = {"bpedrop-src": "the recipe, source-side BPE-dropout", "all": "the recipe"}
 
 
+def minutes_of(config: str) -> int:
+    """The budget of a timed configuration: "bpedrop-src-30" -> 30."""
+    return int(config.rsplit("-", 1)[1])
+
+
 def run_name(direction: str, config: str, seed: int) -> str:
     return f"{direction}-{config}-s{seed}"
 
@@ -215,14 +220,14 @@ def plot(record: dict, directions: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in record["runs"].values() if r["config"].rsplit("-", 1)[0] == COMMAND[r["direction"]]]
+    runs = [r for r in record["runs"].values() if r["config"].startswith(COMMAND[r["direction"]] + "-")]
     machines = sorted({r["machine"] for r in runs})
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for i, direction in enumerate(directions):
         mine = [r for r in runs if r["direction"] == direction]
         by_minutes: dict[int, list[float]] = {}
         for r in mine:
-            by_minutes.setdefault(int(r["config"].rsplit("-", 1)[1]), []).append(r["final_bleu"])
+            by_minutes.setdefault(minutes_of(r["config"]), []).append(r["final_bleu"])
         xs = sorted(by_minutes)
         ax.plot(
             xs,
@@ -233,7 +238,7 @@ def plot(record: dict, directions: list[str], path: Path) -> None:
         )
         for r in mine:
             ax.plot(
-                int(r["config"].rsplit("-", 1)[1]),
+                minutes_of(r["config"]),
                 r["final_bleu"],
                 "osD^v"[machines.index(r["machine"]) % 5],
                 color=f"C{i}",
