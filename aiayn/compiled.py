@@ -23,6 +23,7 @@ in, which a later process loads in about a second: no tracing, no guards, the sa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -35,6 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.export import Dim
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn.model import DecoderCache, Memory, Transformer
 from aiayn.precision import cpu_flags, cpu_info
@@ -304,11 +306,23 @@ class CompiledDecoder:
             self._packages[key] = package = self._package(key, args)
             return package(*args)
         start = time.perf_counter()
-        with torch._inductor.config.patch(freezing=True):
+        with torch._inductor.config.patch(freezing=True), self._tracing():
             out = fn(*args)
         self.compile_seconds += time.perf_counter() - start
         self._seen.add(key)
         return out
+
+    def _tracing(self) -> contextlib.AbstractContextManager:
+        """What every graph is traced and compiled under. On a CPU: F.scaled_dot_product_attention written
+        out as its arithmetic (PyTorch's math backend: Q K^T scaled, masked, softmax, times V) instead of a
+        call of the fused CPU kernel, which inductor cannot fuse into: each attention of a graph stayed a
+        call of it, with that kernel's own set-up (buffers, a parallel loop over batch x heads), 20-27 us
+        each at one sentence of `small`, six of them a decoding step. Written out, one query's attention
+        over a few dozen keys is a few small loops that inductor fuses with what surrounds them. Eager
+        decoding keeps the fused kernel; on a GPU the graphs keep it too."""
+        if next(self.model.parameters()).device.type != "cpu":
+            return contextlib.nullcontext()
+        return sdpa_kernel(SDPBackend.MATH)
 
     def _package(self, key: tuple, args: tuple) -> _Package:
         """The AOTInductor package of graph key from the store, exported and compiled into it first if it
@@ -336,7 +350,8 @@ class CompiledDecoder:
                 ),
                 args,
             )
-            with torch.inference_mode(False), torch.no_grad():  # inference tensors cannot be traced in place
+            # (inference tensors cannot be traced in place)
+            with torch.inference_mode(False), torch.no_grad(), self._tracing():
                 example = pytree.tree_map_only(Tensor, torch.clone, args)
                 module = _Graph(self.graphs[key[0]], None if key[0] in ("beam", "greedy") else self.model)
                 program = torch.export.export(module, example, dynamic_shapes={"args": shapes}, strict=False)

@@ -99,6 +99,26 @@ def test_a_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decod
         torch.testing.assert_close(expected[1], torch.log_softmax(args[0], -1).max(-1).values)
 
 
+def fused_attention_calls(decoder, src, config) -> int:
+    """How many times a search with decoder calls PyTorch's SDPA operator (the profiler records every
+    ATen operator call, an AOTInductor package's included; inductor's own kernels are not operators)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        search(decoder, src, config)
+    return sum(event.count for event in profile.key_averages() if "scaled_dot_product" in event.key)
+
+
+def test_on_a_cpu_compiled_graphs_write_attention_out(decoders):
+    """The compiled encoder and step compute attention as its arithmetic, which inductor fuses, instead of
+    calling the fused SDPA kernel (its set-up alone cost 20-27 us a call: CompiledDecoder._tracing), and
+    give eager's tokens; eager search calls the kernel (the count can fail)."""
+    model, compiled = decoders
+    src = sources(2, 9, seed=6)
+    config = SearchConfig(beam_size=1, max_len_b=8)
+    assert fused_attention_calls(model, src, config) > 0
+    search(compiled, src, config)  # compiled here if not yet
+    assert fused_attention_calls(compiled, src, config) == 0
+
+
 def test_a_batch_over_max_sentences_decodes_eagerly(decoders):
     model, _ = decoders
     compiled = CompiledDecoder(model, max_sentences=2, max_autotune=False)
@@ -173,6 +193,8 @@ def test_a_store_serves_a_later_decoder_without_compiling(decoders, tmp_path):
     for width in (9, 15):  # the source length is dynamic in the packages too
         check(later, width)
     assert later.compile_seconds == 0.0 and later.load_seconds > 0
+    # the packages compute attention as its arithmetic too (test_on_a_cpu_compiled_graphs_write_attention_out)
+    assert fused_attention_calls(later, sources(3, 9, seed=1), SearchConfig(beam_size=1, max_len_b=8)) == 0
 
 
 def test_a_package_is_named_for_the_weights_options_and_code_it_was_compiled_with(
