@@ -319,7 +319,8 @@ class CompiledDecoder:
         call of it, with that kernel's own set-up (buffers, a parallel loop over batch x heads), 20-27 us
         each at one sentence of `small`, six of them a decoding step. Written out, one query's attention
         over a few dozen keys is a few small loops that inductor fuses with what surrounds them. Eager
-        decoding keeps the fused kernel; on a GPU the graphs keep it too."""
+        decoding keeps the fused kernel; on a GPU the graphs keep it too. (PyTorch's choice of backend is
+        process-wide: while a graph is traced, eager attention in another thread runs the math one too.)"""
         if next(self.model.parameters()).device.type != "cpu":
             return contextlib.nullcontext()
         return sdpa_kernel(SDPBackend.MATH)

@@ -276,10 +276,13 @@ def test_a_compiled_step_serves_the_eager_translations(model_dir, translator):
     assert isinstance(compiled.decoder, CompiledDecoder)
     # the server's path, not inductor's GEMM autotuning (which only picks kernels, and doubles the time)
     compiled.decoder = CompiledDecoder(compiled.model, max_autotune=False)
-    with client_for(compiled, batch_wait_ms=300) as c:
+    # the first batch compiles its graphs in the worker (20 s alone, more beside another test process):
+    # longer than the default request timeout of 30 s would allow under load
+    with client_for(compiled, batch_wait_ms=300, timeout_s=300) as c:
         release = block_worker(c.app, 5)  # the three requests queue up and decode as one batch
         threading.Timer(0.5, release.set).start()
         responses = concurrent(c, [{"text": [text]} for text in INPUTS])
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
         assert [r.json()["translations"] for r in responses] == [translator.translate([t]) for t in INPUTS]
         assert max(int(r.headers["X-Batch-Size"]) for r in responses) == 3
     assert compiled.decoder.compile_seconds > 0  # a graph was made, and used
