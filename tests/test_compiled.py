@@ -112,7 +112,7 @@ def test_on_a_cpu_compiled_graphs_write_attention_out(decoders):
     calling the fused SDPA kernel (its set-up alone cost 20-27 us a call: CompiledDecoder._tracing), and
     give eager's tokens; eager search calls the kernel (the count can fail)."""
     model, compiled = decoders
-    src = sources(2, 9, seed=6)
+    src = sources(5, 9, seed=6)  # 8 rows, as the first test's: its graphs, if it ran
     config = SearchConfig(beam_size=1, max_len_b=8)
     assert fused_attention_calls(model, src, config) > 0
     search(compiled, src, config)  # compiled here if not yet
