@@ -115,7 +115,8 @@ def test_on_a_cpu_compiled_graphs_write_attention_out(decoders):
     src = sources(5, 9, seed=6)  # 8 rows, as the first test's: its graphs, if it ran
     config = SearchConfig(beam_size=1, max_len_b=8)
     assert fused_attention_calls(model, src, config) > 0
-    search(compiled, src, config)  # compiled here if not yet
+    want = [h[0].tokens for h in search(model, src, config)]
+    assert [h[0].tokens for h in search(compiled, src, config)] == want  # compiled here if not yet
     assert fused_attention_calls(compiled, src, config) == 0
 
 
