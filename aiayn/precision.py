@@ -105,9 +105,13 @@ class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8 and one scale per output row (symmetric: W ~ scale * W_int8).
 
     With AVX512-VNNI the activations are quantised per row as well, on every call (W8A8, as CTranslate2's
-    int8), and `torch._int_mm` multiplies int8 by int8 into int32 (oneDNN). Without it, where `_int_mm`
-    is a scalar loop, only the weights are int8 and the activations go in as bf16
-    (`_weight_int8pack_mm`, vectorised for AVX2 and AVX-512 only with bf16 activations). Under
+    int8), and `torch._int_mm` multiplies int8 by int8 into int32 (oneDNN). A row is quantised around its
+    midpoint m = (max + min) / 2, x ~ m + s * x_int8 with s = (max - min) / 254, so that the 255 levels
+    span the row's own range: the feed-forward's second layer reads ReLU outputs, all >= 0, which
+    quantised around 0 would use half of them. Then x W^T = s * (x_int8 W^T) + m * (the sum of each row
+    of W), the sums kept with the weight (on Multi30k, de->en: BLEU 0.10-0.16 closer to fp32 than around 0).
+    Without VNNI, where `_int_mm` is a scalar loop, only the weights are int8 and the activations go in
+    as bf16 (`_weight_int8pack_mm`, vectorised for AVX2 and AVX-512 only with bf16 activations). Under
     torch.compile the quantisation of the activations fuses into one kernel.
     """
 
@@ -117,9 +121,13 @@ class Int8Linear(nn.Module):
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
         q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
         self.w8a8 = w8a8
-        # _int_mm wants (K, N); _weight_int8pack_mm the nn.Linear layout (N, K)
-        self.register_buffer("weight", q.t().contiguous() if w8a8 else q)
+        # the nn.Linear layout (N, K) for both kernels: _int_mm takes it as (K, N) column-major, W^T, which
+        # at one row it multiplies as a matrix-vector product 1.5-3x faster than a (K, N) row-major copy
+        # (oneDNN: 14 against 37 us for 256 -> 8,000, 2.6 against 8 us for 256 -> 256; Zen 5, 2 threads)
+        self.register_buffer("weight", q)
         self.register_buffer("scale", scale if w8a8 else scale.bfloat16())
+        row_sum = q.float().sum(dim=1) * scale if w8a8 else None  # (N,) the rows of W dequantised, summed
+        self.register_buffer("row_sum", row_sum)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
@@ -128,9 +136,10 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()  # (M, K)
         if self.w8a8:
-            x_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127  # (M, 1)
-            xq = (x / x_scale).round().clamp(-127, 127).to(torch.int8)  # (M, K)
-            y = torch._int_mm(xq, self.weight) * (x_scale * self.scale)  # (M, N) int32 -> float32
+            low, high = torch.aminmax(x, dim=1, keepdim=True)  # (M, 1) each
+            mid, x_scale = (high + low) / 2, ((high - low) / 254).clamp(min=1e-12)  # (M, 1)
+            xq = ((x - mid) / x_scale).round().clamp(-127, 127).to(torch.int8)  # (M, K)
+            y = torch._int_mm(xq, self.weight.t()) * (x_scale * self.scale) + mid * self.row_sum  # (M, N)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.weight, self.scale).float()  # (M, N)
         if self.bias is not None:
@@ -139,8 +148,7 @@ class Int8Linear(nn.Module):
 
     def rows(self, index: Tensor) -> Tensor:
         """(len(index), K) float32: the weight's rows `index` dequantised (an output-layer shortlist)."""
-        q = self.weight.t() if self.w8a8 else self.weight  # (N, K)
-        return q.index_select(0, index).float() * self.scale.float().index_select(0, index)[:, None]
+        return self.weight.index_select(0, index).float() * self.scale.float().index_select(0, index)[:, None]
 
     def extra_repr(self) -> str:
         kind = "int8 x int8 (VNNI)" if self.w8a8 else "int8 weights, bf16 activations"

@@ -20,16 +20,47 @@ def linear():
     return layer, torch.randn(5, 3, 64)
 
 
-def test_w8a8_is_integer_products_of_both_quantised_sides(linear):
+def quantise_rows_around_midpoints(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row int8 around each row's midpoint: m ~ mid + scale * q, q in [-127, 127], scale = range / 254."""
+    high, low = m.max(dim=1).values, m.min(dim=1).values
+    mid, scale = (high + low) / 2, (high - low) / 254
+    return ((m - mid[:, None]) / scale[:, None]).round().clamp(-127, 127), mid, scale
+
+
+@pytest.mark.parametrize("shift", [0.0, 3.0])  # 3: every input > 0, as after a ReLU
+def test_w8a8_is_integer_products_of_both_quantised_sides(linear, shift):
     layer, x = linear
+    x = x + shift
     wq, ws = quantise_rows(layer.weight.detach())
-    xq, xs = quantise_rows(x.reshape(-1, 64))
-    exact = (xq.long() @ wq.long().t()).double() * xs.double()[:, None] * ws.double()[
-        None
-    ] + layer.bias.double()
+    xq, mid, xs = quantise_rows_around_midpoints(x.reshape(-1, 64))
+    # x W^T = (mid + xs * xq) (ws * wq)^T, summed as integers where it can be
+    integer = (xq.long() @ wq.long().t()).double()  # (15, 48)
+    row_sums = wq.double().sum(dim=1) * ws.double()  # (48,)
+    exact = (
+        integer * xs.double()[:, None] * ws.double() + mid.double()[:, None] * row_sums + layer.bias.double()
+    )
     got = Int8Linear(layer, w8a8=True)(x)
     assert got.shape == (5, 3, 48) and got.dtype == torch.float32
     torch.testing.assert_close(got.reshape(-1, 48).double(), exact, atol=1e-4, rtol=1e-5)
+
+
+def test_w8a8_quantises_positive_inputs_finer_than_around_zero(linear):
+    """Inputs all > 0 (a ReLU's): around the midpoint their 255 levels span the range; around 0 only 128
+    of them would: the error against fp32 is about half (weights on the int8 grid: the activations' error alone)."""
+    layer, x = linear
+    x = x.abs()
+    with torch.no_grad():
+        grid = torch.randint(-127, 128, (48, 64)).float()
+        grid[:, 0] = 127  # every row's largest value: its scale is exactly 1/64
+        layer.weight.copy_(grid / 64)
+        reference = layer(x).reshape(-1, 48).double()
+    wq, ws = quantise_rows(layer.weight.detach())
+    xq, xs = quantise_rows(x.reshape(-1, 64))  # the symmetric alternative
+    around_zero = (xq.double() * xs.double()[:, None]) @ (
+        wq.double() * ws.double()[:, None]
+    ).t() + layer.bias.double()
+    midpoint = Int8Linear(layer, w8a8=True)(x).reshape(-1, 48).double()
+    assert (midpoint - reference).abs().mean() < 0.6 * (around_zero - reference).abs().mean()
 
 
 def test_weight_only_int8_uses_bf16_activations(linear):
