@@ -125,7 +125,8 @@ class Int8Linear(nn.Module):
         # at one row it multiplies as a matrix-vector product 1.5-3x faster than a (K, N) row-major copy
         # (oneDNN: 14 against 37 us for 256 -> 8,000, 2.6 against 8 us for 256 -> 256; Zen 5, 2 threads)
         self.register_buffer("weight", q)
-        self.register_buffer("scale", scale if w8a8 else scale.bfloat16())
+        self.register_buffer("scale", scale)
+        self.register_buffer("scale_bf16", scale.bfloat16())  # as _weight_int8pack_mm takes it
         row_sum = q.float().sum(dim=1) * scale if w8a8 else None  # (N,) the rows of W dequantised, summed
         self.register_buffer("row_sum", row_sum)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
@@ -134,25 +135,37 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., K) float -> (..., N) float32."""
         shape = x.shape
+        few = _few_rows(x)
         x = x.reshape(-1, shape[-1]).float()  # (M, K)
-        if self.w8a8:
+        if self.w8a8 and not few:
             low, high = torch.aminmax(x, dim=1, keepdim=True)  # (M, 1) each
             mid, x_scale = (high + low) / 2, ((high - low) / 254).clamp(min=1e-12)  # (M, 1)
             xq = ((x - mid) / x_scale).round().clamp(-127, 127).to(torch.int8)  # (M, K)
             y = torch._int_mm(xq, self.weight.t()) * (x_scale * self.scale) + mid * self.row_sum  # (M, N)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.weight, self.scale).float()  # (M, N)
+            y = torch.ops.aten._weight_int8pack_mm(
+                x.bfloat16(), self.weight, self.scale_bf16
+            ).float()  # (M, N)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
     def rows(self, index: Tensor) -> Tensor:
         """(len(index), K) float32: the weight's rows `index` dequantised (an output-layer shortlist)."""
-        return self.weight.index_select(0, index).float() * self.scale.float().index_select(0, index)[:, None]
+        scale = self.scale if self.w8a8 else self.scale_bf16.float()
+        return self.weight.index_select(0, index).float() * scale.index_select(0, index)[:, None]
 
     def extra_repr(self) -> str:
         kind = "int8 x int8 (VNNI)" if self.w8a8 else "int8 weights, bf16 activations"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+def _few_rows(x: Tensor) -> bool:
+    """Whether x (R, L, K) is 2 to 15 rows (R * L: a decoding step of a few sentences or hypotheses) of fixed
+    sizes: a compiled step's are; an encoder's source length, dynamic in its graph, is not asked about."""
+    if x.dim() != 3 or type(x.size(0)) is not int or type(x.size(1)) is not int:
+        return False
+    return 1 < x.size(0) * x.size(1) < 16
 
 
 def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:

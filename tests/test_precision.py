@@ -17,7 +17,7 @@ def quantise_rows(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def linear():
     torch.manual_seed(0)
     layer = nn.Linear(64, 48)
-    return layer, torch.randn(5, 3, 64)
+    return layer, torch.randn(5, 4, 64)  # 20 rows: W8A8 (2 to 15 are weight-only)
 
 
 def quantise_rows_around_midpoints(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -34,13 +34,13 @@ def test_w8a8_is_integer_products_of_both_quantised_sides(linear, shift):
     wq, ws = quantise_rows(layer.weight.detach())
     xq, mid, xs = quantise_rows_around_midpoints(x.reshape(-1, 64))
     # x W^T = (mid + xs * xq) (ws * wq)^T, summed as integers where it can be
-    integer = (xq.long() @ wq.long().t()).double()  # (15, 48)
+    integer = (xq.long() @ wq.long().t()).double()  # (20, 48)
     row_sums = wq.double().sum(dim=1) * ws.double()  # (48,)
     exact = (
         integer * xs.double()[:, None] * ws.double() + mid.double()[:, None] * row_sums + layer.bias.double()
     )
     got = Int8Linear(layer, w8a8=True)(x)
-    assert got.shape == (5, 3, 48) and got.dtype == torch.float32
+    assert got.shape == (5, 4, 48) and got.dtype == torch.float32
     torch.testing.assert_close(got.reshape(-1, 48).double(), exact, atol=1e-4, rtol=1e-5)
 
 
@@ -69,6 +69,24 @@ def test_weight_only_int8_uses_bf16_activations(linear):
     dequantised = wq * ws.bfloat16().float()[:, None]
     expected = x.bfloat16().float() @ dequantised.t() + layer.bias.detach()
     torch.testing.assert_close(Int8Linear(layer, w8a8=False)(x), expected, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 15, 16, 32])
+def test_a_few_rows_of_a_decoding_step_take_bf16_activations(linear, rows):
+    """With VNNI, 2 to 15 rows (R, L) take the weight-only path: integer products of both sides are the
+    slower kernel there (oneDNN packs the weight on every call from two rows on); 1 row and 16 or more
+    stay W8A8."""
+    layer, _ = linear
+    x = torch.randn(rows, 1, 64)
+    w8a8 = Int8Linear(layer, w8a8=True)
+    weight_only = Int8Linear(layer, w8a8=False)
+    with torch.no_grad():
+        want_weight_only = 1 < rows < 16
+        got = w8a8(x)
+        assert torch.equal(got, weight_only(x)) == want_weight_only
+        if not want_weight_only:  # W8A8 quantises row by row: the same numbers among 20 more rows
+            more = torch.cat([x, x[:1].expand(20, -1, -1)])  # (rows + 20, 1, 64)
+            torch.testing.assert_close(got, w8a8(more)[:rows])
 
 
 @pytest.mark.parametrize("w8a8", [True, False])
