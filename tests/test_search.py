@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from aiayn.config import SearchConfig, preset
 from aiayn.model import Memory, Transformer
-from aiayn.search import Hypothesis, beam_search, greedy_search, length_penalty, max_lengths, search
+from aiayn.search import Hypothesis, beam_search, greedy_search, length_penalty, max_lengths, search, top_k
 
 PAD, BOS, E = 0, 1, 2  # E: end of sentence; 3, 4, 5 are ordinary tokens of the scripted model
 
@@ -356,3 +356,38 @@ def test_empty_batch() -> None:
     src = torch.zeros(0, 4, dtype=torch.long)
     assert greedy_search(tiny_model(0), src, max_len=5) == []
     assert beam_search(tiny_model(0), src, CONFIG) == []
+
+
+@pytest.mark.parametrize(
+    "shape, k",
+    [
+        ((1, 4, 8000), 8),  # beam 4 over a vocabulary of `small`: V a multiple of the block
+        ((3, 4, 8001), 8),  # a last block with one value
+        ((2, 2, 7), 4),  # fewer blocks in V than k: rows are padded to k blocks in all
+        ((2, 16, 1000), 32),
+    ],
+)
+def test_top_k_by_blocks_equals_torch_topk(shape: tuple[int, int, int], k: int) -> None:
+    """top_k (blocks' maxima first) returns torch.topk's values and, distinct values given, its positions."""
+    B, N, V = shape
+    x = torch.randn(generator=torch.Generator().manual_seed(V), size=shape)
+    values, index = top_k(x, k)
+    expected = x.view(B, N * V).topk(k, dim=1)
+    assert torch.equal(values, expected.values)
+    assert torch.equal(index, expected.indices)
+
+
+def test_top_k_by_blocks_with_ties_and_minus_infinity() -> None:
+    """Equal values: the same k values, at positions that hold them. A sentence with fewer than k finite
+    values (the first beam step of a tiny vocabulary, or EOS suppressed): -inf at real positions."""
+    x = torch.randint(0, 4, (3, 4, 300), generator=torch.Generator().manual_seed(1)).float()  # many ties
+    values, index = top_k(x, 8)
+    assert torch.equal(values, x.view(3, -1).topk(8, dim=1).values)
+    assert torch.equal(x.view(3, -1).gather(1, index), values)
+    assert all(row.unique().numel() == 8 for row in index)  # distinct positions
+
+    x = torch.full((1, 2, 40), -math.inf)
+    x[0, 0, :3] = torch.tensor([1.0, 3.0, 2.0])
+    values, index = top_k(x, 8)
+    assert values[0, :3].tolist() == [3.0, 2.0, 1.0] and index[0, :3].tolist() == [1, 2, 0]
+    assert values[0, 3:].eq(-math.inf).all() and index.lt(80).all() and index.ge(0).all()
