@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from aiayn.model import DecoderCache, Memory, Transformer
+from aiayn.model import DecoderCache, Memory, Transformer, gather_rows
 from aiayn.precision import cpu_flags, cpu_info
 from aiayn.search import beam_candidates, greedy_candidates
 from aiayn.tokenizer import PAD_ID
@@ -74,7 +74,6 @@ class StaticCache:
     spare: Tensor  # (R, T_max, D), where `reorder` gathers into before swapping
     vocabulary: Tensor | None = None  # (V',) a shortlist, as model.DecoderCache
     output: Tensor | None = None  # (V', D)
-    written: int = 0  # positions written, counted in Python (`length` is the graph's): what `reorder` moves
 
     @property
     def length(self) -> Tensor:
@@ -108,25 +107,17 @@ class StaticCache:
         # Only the written positions move, where the values left behind outweigh the fixed cost of a strided
         # copy (about 3 us a call more than a whole buffer's): 6 x (4, 24, 256) take 14 us whole and 25 in part,
         # 6 x (128, 24, 256) 393 and 190 at half written, 12 x (32, 64, 512) 2,567 and 299.
-        n = self.written if R * (T - self.written) * D > 32_768 else T
-        for layer in self.layers:
-            _copy_rows(self.spare, layer.self_k, index, n)
-            layer.self_k, self.spare = self.spare, layer.self_k
-            _copy_rows(self.spare, layer.self_v, index, n)
-            layer.self_v, self.spare = self.spare, layer.self_v
+        written = int(self.length) if R * T * D > 32_768 else T  # (read after the step's sync: no wait)
+        n = written if R * (T - written) * D > 32_768 else T
+        for layer in self.layers:  # (R rows: the buffers themselves swap, keeping their dynamic marks)
+            layer.self_k, self.spare = gather_rows(layer.self_k, self.spare, index, n)
+            layer.self_v, self.spare = gather_rows(layer.self_v, self.spare, index, n)
             if sentences is not None:
                 keep = _pad(sentences, layer.cross_k.size(0))  # (B,)
                 layer.cross_k = _dynamic(layer.cross_k.index_select(0, keep), 1)
                 layer.cross_v = _dynamic(layer.cross_v.index_select(0, keep), 1)
         if sentences is not None:
             self.src_mask = _dynamic(self.src_mask.index_select(0, _pad(sentences, self.src_mask.size(0))), 3)
-
-
-def _copy_rows(spare: Tensor, live: Tensor, index: Tensor, n: int) -> None:
-    """spare[:, :n] = live[index, :n], buffers (R, T_max, D); n = T_max copies whole buffers, without views."""
-    if n < live.size(1):
-        spare, live = spare[:, :n], live[:, :n]
-    torch.index_select(live, 0, index, out=spare)
 
 
 def _dynamic(t: Tensor, dim: int) -> Tensor:
@@ -264,9 +255,7 @@ class CompiledDecoder:
         # rows R and sentences B: 32 rows are 32 sentences (greedy) or 8 sentences of 4 hypotheses (beam
         # 4), two graphs (the cross-attention keys/values have B rows)
         key = ("step", cache.rows, cache.layers[0].cross_k.size(0), cache.output is not None)
-        logits = self._call(key, tgt_in, *cache.arguments())
-        cache.written += 1  # (and the graph moved `length` on)
-        return logits[:live]
+        return self._call(key, tgt_in, *cache.arguments())[:live]
 
     def beam_candidates(self, logits: Tensor, *state: Any) -> tuple[Tensor, ...]:
         """search.beam_candidates (logits (B, N, V), the beam's state, n_best, alpha, kind) as one graph for
