@@ -48,7 +48,9 @@ from aiayn.tokenizer import PAD_ID
 class StaticLayerCache:
     """One decoder layer's keys and values for a compiled step: every buffer keeps its shape."""
 
-    self_k: Tensor  # (R, T_max, D); positions past `length` hold garbage and are masked
+    # (R, T_max, D); positions past `length` are masked and hold zeros or stale keys/values, never uninitialised
+    # memory: a masked weight of 0 times a NaN there would still be NaN
+    self_k: Tensor
     self_v: Tensor  # (R, T_max, D)
     cross_k: Tensor  # (B, S, D) from the encoder output, computed once
     cross_v: Tensor  # (B, S, D)
@@ -98,7 +100,7 @@ class StaticCache:
             layer.self_k = _dynamic(layer.self_k.index_select(0, index), 1)  # (B*n, T_max, D)
             layer.self_v = _dynamic(layer.self_v.index_select(0, index), 1)
         self.rows *= n
-        self.spare = _dynamic(torch.empty_like(self.layers[0].self_k), 1)
+        self.spare = _dynamic(torch.zeros_like(self.layers[0].self_k), 1)  # (see StaticLayerCache)
 
     def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
         """index (R',), R' <= R: the rows that make the new ones; sentences (B',): those that stay."""
@@ -238,7 +240,7 @@ class CompiledDecoder:
         if memory.vocabulary is not None:  # a shortlist's size changes from batch to batch too
             vocabulary = _dynamic(memory.vocabulary, 0)
             output = _dynamic(self.model.output_rows(vocabulary), 0)
-        spare = _dynamic(torch.empty_like(self_k), 1)
+        spare = _dynamic(torch.zeros_like(self_k), 1)  # a reorder may copy only the written positions into it
         return StaticCache(layers, _dynamic(memory.src_mask, 3), B, spare, vocabulary, output)
 
     def decode(

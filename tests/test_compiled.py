@@ -52,6 +52,23 @@ def test_compiled_search_returns_eager_hypotheses(decoders, beam_size):
         torch.testing.assert_close([h.score for h in got], [h.score for h in want], atol=1e-4, rtol=0)
 
 
+def test_positions_never_written_hold_no_uninitialised_memory(decoders, monkeypatch):
+    """A compiled step reads all T_max positions and masks the unwritten ones, but a masked weight of 0
+    times a value that is NaN or inf is NaN; a reorder that copies only the written positions leaves the
+    rest of its spare buffer as it was. Uninitialised memory made NaN (torch.empty_like poisoned, after the
+    graphs exist) must not change a token: every buffer a cache makes starts as zeros. (In CI, memory freed
+    by other tests once turned a beam-4 search into one token repeated.)"""
+    model, compiled = decoders
+    src = sources(5, 9, seed=1)
+    config = SearchConfig(beam_size=4, n_best=4, max_len_b=20)
+    eager = search(model, src, config)
+    search(compiled, src, config)  # the graphs, traced with torch as it is
+    nan_like = lambda t, **kw: torch.full_like(t, float("nan"), **kw)  # noqa: E731
+    monkeypatch.setattr(torch, "empty_like", nan_like)
+    fast = search(compiled, src, config)
+    assert [[h.tokens for h in hyps] for hyps in fast] == [[h.tokens for h in hyps] for hyps in eager]
+
+
 def test_one_graph_serves_every_source_length_and_batch_of_the_same_rows(decoders):
     """After the first batch, other source lengths, output lengths and batch sizes up to the same power
     of two run without tracing again; a batch of another row count must (the check can fail)."""
