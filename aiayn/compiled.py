@@ -10,6 +10,8 @@ Nothing in a step may change a shape or a Python value the graph depends on, or 
 it again (a recompilation), so:
 - every layer's self-attention keys/values live in (R, T_max, D) buffers written at a position held
   in a (1,) tensor; attention reads all T_max positions through a mask (positions <= the current one);
+  a beam's hypotheses read theirs through a table of where each was written (StaticCache), so following
+  their parents moves no keys or values;
 - a batch is padded to R rows; when sentences finish, search drops them and the rows left over
   repeat the last live one (computed, never read);
 - the source length S and T_max are marked dynamic: one graph serves every batch of the same rows;
@@ -38,7 +40,7 @@ from torch import Tensor
 from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from aiayn.model import DecoderCache, Memory, Transformer, gather_rows
+from aiayn.model import DecoderCache, Memory, Transformer
 from aiayn.precision import cpu_flags, cpu_info
 from aiayn.search import beam_candidates, greedy_candidates
 from aiayn.tokenizer import PAD_ID
@@ -48,38 +50,64 @@ from aiayn.tokenizer import PAD_ID
 class StaticLayerCache:
     """One decoder layer's keys and values for a compiled step: every buffer keeps its shape."""
 
-    # (R, T_max, D); positions past `length` are masked and hold zeros or stale keys/values, never uninitialised
-    # memory: a masked weight of 0 times a NaN there would still be NaN
+    # (R, T_max, D): buffer row r holds, at position t, what the row r of step t wrote; with `source`, rows
+    # read their earlier positions from where their ancestors wrote them. Positions past `length` are
+    # masked and hold zeros or stale keys/values, never uninitialised memory: a masked weight of 0 times a
+    # NaN there would still be NaN.
     self_k: Tensor
     self_v: Tensor  # (R, T_max, D)
     cross_k: Tensor  # (B, S, D) from the encoder output, computed once
     cross_v: Tensor  # (B, S, D)
     length: Tensor  # (1,) int64 shared by all layers: positions written before this step
     positions: Tensor  # (T_max,) 0..T_max-1, shared
+    source: Tensor | None  # (T_max, R) int64 or None, shared: StaticCache.source
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Write one new position's keys and values (R, 1, D); returns all T_max positions (R, T_max, D)
-        and the (1, T_max) mask of the written ones, the new one included. StaticCache.advance moves on."""
+        """Write one new position's keys and values (R, 1, D), each row in its own buffer row; returns each
+        row's T_max positions (R, T_max, D) and the (1, T_max) mask of the written ones, the new one
+        included. StaticCache.advance moves on."""
         self.self_k.index_copy_(1, self.length, k)
         self.self_v.index_copy_(1, self.length, v)
         mask = (self.positions <= self.length)[None]  # (1, T_max)
-        return self.self_k, self.self_v, mask
+        if self.source is None:
+            return self.self_k, self.self_v, mask
+        # A gather that inductor fuses into the attention's loops (no copy is made). `source` is (T_max, R):
+        # with a (R, T_max) table, its loads outnumbered the values' and inductor vectorised the weighted sum
+        # of values over positions instead of features, a scalar load per value (4 rows: 84 us a step against 13).
+        R, T, D = self.self_k.shape
+        where = self.source.t()  # (R, T_max) positions in the buffers seen as (R * T_max, D)
+        return self.self_k.view(R * T, D)[where], self.self_v.view(R * T, D)[where], mask
 
 
 @dataclass
 class StaticCache:
-    """What a compiled decoding step keeps between steps; the same interface as model.DecoderCache."""
+    """What a compiled decoding step keeps between steps; the same interface as model.DecoderCache.
+
+    A beam's hypotheses follow their parents without moving keys and values: `source` (T_max, R) holds, for
+    each position t and row r, where in the buffers (seen as (R * T_max, D)) row r's keys and values of
+    position t are: buffer row * T_max + t. A reorder gathers this table's columns (eager decoding copies
+    the buffers' rows instead, model.gather_rows: 2L x (R, T_max, D) values every step); a step writes its
+    position in each row's own buffer row and says so in the table (`claim`). A position once written never
+    changes, so every ancestor's keys stay where they are. A cache of one row per sentence (greedy) has no
+    table: its rows only ever leave, and are copied then."""
 
     layers: list[StaticLayerCache]
     src_mask: Tensor  # (B, 1, 1, S), never None: a graph for "no padding" would be a second graph
     rows: int  # R: the rows every step computes; search uses the first ones, the others repeat the last
-    spare: Tensor  # (R, T_max, D), where `reorder` gathers into before swapping
+    source: Tensor | None = None  # (T_max, R) int64 after `expand`: row r's position t is at source[t, r]
     vocabulary: Tensor | None = None  # (V',) a shortlist, as model.DecoderCache
     output: Tensor | None = None  # (V', D)
 
     @property
     def length(self) -> Tensor:
         return self.layers[0].length
+
+    def claim(self) -> None:
+        """In a step's graph, before it: the position it writes is, for every row, in its own buffer row."""
+        if self.source is not None:
+            T = self.source.size(0)
+            own = torch.arange(self.rows, device=self.source.device)[None] * T + self.length  # (1, R)
+            self.source.index_copy_(0, self.length, own)
 
     def advance(self) -> None:
         """After a step: its position is written in every layer."""
@@ -88,32 +116,33 @@ class StaticCache:
     def arguments(self) -> tuple:
         """The cache as the step's flat arguments (what torch.export takes; `step` rebuilds it)."""
         layers = self.layers
-        return (self.length, layers[0].positions, self.src_mask, [c.self_k for c in layers],
+        return (self.length, layers[0].positions, self.source, self.src_mask, [c.self_k for c in layers],
                 [c.self_v for c in layers], [c.cross_k for c in layers], [c.cross_v for c in layers],
                 self.vocabulary, self.output)  # fmt: skip
 
     def expand(self, n: int) -> None:
-        """n rows per sentence (beam search): the buffers grow to R * n rows, once per batch."""
-        B = self.layers[0].cross_k.size(0)
-        index = torch.arange(B, device=self.length.device).repeat_interleave(n)  # (B*n,)
-        for layer in self.layers:
-            layer.self_k = _dynamic(layer.self_k.index_select(0, index), 1)  # (B*n, T_max, D)
-            layer.self_v = _dynamic(layer.self_v.index_select(0, index), 1)
+        """n rows per sentence (beam search), before the first step: zeros of R * n rows (nothing is
+        written yet), each row its own."""
+        T = self.layers[0].self_k.size(1)
         self.rows *= n
-        self.spare = _dynamic(torch.zeros_like(self.layers[0].self_k), 1)  # (see StaticLayerCache)
+        own = torch.arange(self.rows, device=self.length.device)[None] * T  # (1, R) buffer row r, position 0
+        self.source = _dynamic(own + torch.arange(T, device=self.length.device)[:, None], 0)  # (T_max, R)
+        for layer in self.layers:
+            layer.self_k, layer.self_v = (
+                _dynamic(layer.self_k.new_zeros(self.rows, *layer.self_k.shape[1:]), 1) for _ in range(2)
+            )  # 2 x (R * n, T_max, D)
+            layer.source = self.source
 
     def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
         """index (R',), R' <= R: the rows that make the new ones; sentences (B',): those that stay."""
         index = _pad(index, self.rows)  # (R,)
-        R, T, D = self.spare.shape
-        # Only the written positions move, where the values left behind outweigh the fixed cost of a strided
-        # copy (about 3 us a call more than a whole buffer's): 6 x (4, 24, 256) take 14 us whole and 25 in part,
-        # 6 x (128, 24, 256) 393 and 190 at half written, 12 x (32, 64, 512) 2,567 and 299.
-        written = int(self.length) if R * T * D > 32_768 else T  # (read after the step's sync: no wait)
-        n = written if R * (T - written) * D > 32_768 else T
-        for layer in self.layers:  # (R rows: the buffers themselves swap, keeping their dynamic marks)
-            layer.self_k, self.spare = gather_rows(layer.self_k, self.spare, index, n)
-            layer.self_v, self.spare = gather_rows(layer.self_v, self.spare, index, n)
+        if self.source is not None:  # only the table moves: (T_max, R) indices
+            self.source = _dynamic(self.source.index_select(1, index), 0)
+        for layer in self.layers:
+            if self.source is None:  # greedy: finished sentences leave, once each per batch
+                layer.self_k = _dynamic(layer.self_k.index_select(0, index), 1)  # (R, T_max, D)
+                layer.self_v = _dynamic(layer.self_v.index_select(0, index), 1)
+            layer.source = self.source
             if sentences is not None:
                 keep = _pad(sentences, layer.cross_k.size(0))  # (B,)
                 layer.cross_k = _dynamic(layer.cross_k.index_select(0, keep), 1)
@@ -170,11 +199,13 @@ class CompiledDecoder:
         def step(tokens: Tensor, *cache: Any) -> Tensor:
             """tokens (R, 1) and StaticCache.arguments() -> logits (R, 1, V) at the cache's next position:
             the graph compiled."""
-            length, positions, src_mask, self_k, self_v, cross_k, cross_v, vocabulary, output = cache
+            length, positions, source, src_mask, self_k, self_v, cross_k, cross_v, vocabulary, output = cache
             layers = [
-                StaticLayerCache(*kv, length, positions) for kv in zip(self_k, self_v, cross_k, cross_v)
+                StaticLayerCache(*kv, length, positions, source)
+                for kv in zip(self_k, self_v, cross_k, cross_v)
             ]
-            static = StaticCache(layers, src_mask, tokens.size(0), self_k[0], vocabulary, output)
+            static = StaticCache(layers, src_mask, tokens.size(0), source, vocabulary, output)
+            static.claim()
             logits = model.decode(tokens, None, static)  # type: ignore[arg-type]
             static.advance()
             return logits
@@ -235,13 +266,14 @@ class CompiledDecoder:
             # each buffer a storage of its own, as after a `reorder`: views of one storage would be guarded
             # on not overlapping, and the first reorder would trace the step again
             self_k, self_v = (_dynamic(k.new_zeros(B, max_len, D), 1) for _ in range(2))  # 2 x (B, T_max, D)
-            layers.append(StaticLayerCache(self_k, self_v, _dynamic(k, 1), _dynamic(v, 1), length, positions))
+            layers.append(
+                StaticLayerCache(self_k, self_v, _dynamic(k, 1), _dynamic(v, 1), length, positions, None)
+            )
         vocabulary = output = None
         if memory.vocabulary is not None:  # a shortlist's size changes from batch to batch too
             vocabulary = _dynamic(memory.vocabulary, 0)
             output = _dynamic(self.model.output_rows(vocabulary), 0)
-        spare = _dynamic(torch.zeros_like(self_k), 1)  # a reorder may copy only the written positions into it
-        return StaticCache(layers, _dynamic(memory.src_mask, 3), B, spare, vocabulary, output)
+        return StaticCache(layers, _dynamic(memory.src_mask, 3), B, None, vocabulary, output)
 
     def decode(
         self, tgt_in: Tensor, memory: Memory | None, cache: StaticCache | DecoderCache | None = None
@@ -255,8 +287,14 @@ class CompiledDecoder:
             tgt_in = torch.cat([tgt_in, tgt_in.new_full((cache.rows - live, 1), PAD_ID)])  # (R, 1)
         tgt_in = tgt_in.contiguous()  # beam search passes a column of its tokens: strides are guarded too
         # rows R and sentences B: 32 rows are 32 sentences (greedy) or 8 sentences of 4 hypotheses (beam
-        # 4), two graphs (the cross-attention keys/values have B rows)
-        key = ("step", cache.rows, cache.layers[0].cross_k.size(0), cache.output is not None)
+        # 4), two graphs (the cross-attention keys/values have B rows); with a beam's table or without
+        key = (
+            "step",
+            cache.rows,
+            cache.layers[0].cross_k.size(0),
+            cache.source is not None,
+            cache.output is not None,
+        )
         return self._call(key, tgt_in, *cache.arguments())[:live]
 
     def beam_candidates(self, logits: Tensor, *state: Any) -> tuple[Tensor, ...]:

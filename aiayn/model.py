@@ -347,17 +347,12 @@ class DecoderCache:
 
 
 def gather_rows(live: Tensor, spare: Tensor, index: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """Rows `index` (R',) of live (R, T_max, D), positions [0, n), copied into spare: (new live, new spare).
-    With n = T_max and a spare of R' rows, the buffers themselves (no views) are copied and returned."""
+    """Rows `index` (R',) of live (R, T_max, D), positions [0, n), copied into spare: (new live, new spare)."""
     R = index.numel()
     if spare.size(0) < R:  # the batch grows (e.g. B sentences -> B*N beams)
         spare = live.new_empty(R, *live.shape[1:])  # (R', T_max, D)
-    out = spare if spare.size(0) == R else spare[:R]  # (R', T_max, D)
-    if n < live.size(1):
-        torch.index_select(live[:, :n], 0, index, out=out[:, :n])  # (R', n, D)
-    else:
-        torch.index_select(live, 0, index, out=out)
-    return out, live
+    torch.index_select(live[:, :n], 0, index, out=spare[:R, :n])  # (R', n, D)
+    return spare[:R], live
 
 
 def cache_causal_mask(start: int, end: int, device: torch.device) -> Tensor:

@@ -38,8 +38,9 @@ def sources(batch: int, width: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_compiled_search_returns_eager_hypotheses(decoders, beam_size):
     """Same tokens and scores, with hypotheses finishing at different steps (rows leave the batch) and
-    a batch of 5 padded to 8 rows per hypothesis. Beam 4's reorders copy only the written positions for
-    the first 12 steps (32 rows x (29 - written) x 64 values left > 32,768) and whole buffers after."""
+    a batch of 5 padded to 8 rows per hypothesis. Beam 4's hypotheses follow their parents through the
+    cache's table of where each position's keys are (nothing is copied, sentences leaving included);
+    greedy's rows are copied when sentences leave."""
     model, compiled = decoders
     src = sources(5, 9, seed=1)
     config = SearchConfig(beam_size=beam_size, n_best=beam_size, max_len_b=20)
@@ -54,10 +55,10 @@ def test_compiled_search_returns_eager_hypotheses(decoders, beam_size):
 
 def test_positions_never_written_hold_no_uninitialised_memory(decoders, monkeypatch):
     """A compiled step reads all T_max positions and masks the unwritten ones, but a masked weight of 0
-    times a value that is NaN or inf is NaN; a reorder that copies only the written positions leaves the
-    rest of its spare buffer as it was. Uninitialised memory made NaN (torch.empty_like poisoned, after the
-    graphs exist) must not change a token: every buffer a cache makes starts as zeros. (In CI, memory freed
-    by other tests once turned a beam-4 search into one token repeated.)"""
+    times a value that is NaN or inf is NaN. Uninitialised memory made NaN (torch.empty_like poisoned, after
+    the graphs exist) must not change a token: every buffer a cache makes starts as zeros. (In CI, memory
+    freed by other tests once turned a beam-4 search into one token repeated, when a reorder copied only
+    the written positions into a buffer made empty.)"""
     model, compiled = decoders
     src = sources(5, 9, seed=1)
     config = SearchConfig(beam_size=4, n_best=4, max_len_b=20)
