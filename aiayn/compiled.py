@@ -123,6 +123,7 @@ class StaticCache:
     def expand(self, n: int) -> None:
         """n rows per sentence (beam search), before the first step: zeros of R * n rows (nothing is
         written yet), each row its own."""
+        assert self.source is None, "expand a cache once, before its first step"
         T = self.layers[0].self_k.size(1)
         self.rows *= n
         own = torch.arange(self.rows, device=self.length.device)[None] * T  # (1, R) buffer row r, position 0
