@@ -53,6 +53,24 @@ def test_compiled_search_returns_eager_hypotheses(decoders, beam_size):
         torch.testing.assert_close([h.score for h in got], [h.score for h in want], atol=1e-4, rtol=0)
 
 
+def test_a_beams_reorder_moves_its_table_not_its_keys(decoders):
+    """A beam step's reorder leaves the key/value buffers where they are (eager decoding copies 2L x (R, T_max,
+    D) values a step) and gathers the table of where each row's positions are: row j now reads what row
+    index[j] read. (The search tests above show the tokens that come out of it are eager's.)"""
+    _, compiled = decoders
+    with torch.inference_mode():
+        cache = compiled.new_cache(compiled.encode(sources(2, 5, seed=3)), 6)
+        cache.expand(4)  # 2 sentences x 4 hypotheses
+        buffers = [(c.self_k.data_ptr(), c.self_v.data_ptr()) for c in cache.layers]
+        before = cache.source.clone()  # (T_max, 8): row r's position t at r * T_max + t
+        assert torch.equal(before, torch.arange(8) * 6 + torch.arange(6)[:, None])
+        index = torch.tensor([1, 1, 0, 3, 6, 4, 4, 5])  # each sentence's rows from its own parents
+        cache.reorder(index)
+    assert [(c.self_k.data_ptr(), c.self_v.data_ptr()) for c in cache.layers] == buffers
+    assert torch.equal(cache.source, before[:, index])
+    assert all(c.source is cache.source for c in cache.layers)
+
+
 def test_positions_never_written_hold_no_uninitialised_memory(decoders, monkeypatch):
     """A compiled step reads all T_max positions and masks the unwritten ones, but a masked weight of 0
     times a value that is NaN or inf is NaN. Uninitialised memory made NaN (torch.empty_like poisoned, after
