@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 # The CPU wheel of PyTorch; an unpinned torch would pull a CUDA build of several GB.
 TORCH   := torch==2.13.0
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -24,6 +24,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_translate.py
 	$(PY) benchmarks/bench_scaling.py --plot docs/scaling.png
 	$(PY) benchmarks/bench_serve.py
+
+# On a CUDA machine: the CUDA tests, training, translation and data-pipeline benchmarks against the peers
+# on the GPU, then the suite; logs and figures in runs/gpu-check
+gpu-check: $(STAMP)
+	PYTHON=$(PY) bash benchmarks/gpu_check.sh runs/gpu-check
 
 lint: $(STAMP)
 	.venv/bin/ruff check .

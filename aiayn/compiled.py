@@ -190,9 +190,12 @@ class CompiledDecoder:
         self.model = model.eval()
         self.config = model.config
         self.max_sentences = max_sentences
-        # max_autotune: inductor times its own C++ GEMM kernels against the BLAS call for each matrix
-        # product of the step and keeps the faster: at a few rows MKL's sgemm is slow on AMD CPUs.
-        self.options = {"max_autotune": True, **options}
+        # max_autotune on the CPU: inductor times its own C++ GEMM kernels against the BLAS call for each
+        # matrix product of the step and keeps the faster: at a few rows MKL's sgemm is slow on AMD CPUs. On
+        # a GPU it would time Triton templates for every product of every graph, minutes per model, where
+        # cuBLAS is already the fast choice: off there.
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.options = {"max_autotune": on_cpu, **options}
         # store: a directory of AOTInductor packages, one per graph and model, which a later process
         # loads in a second or two instead of tracing and compiling again (None: compile in memory)
         self.store = Path(store) if store is not None else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +91,10 @@ class Ranks:
         if self.world == 1:
             return model
         device_ids = [self.local_rank] if next(model.parameters()).device.type == "cuda" else None
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+        # No buffer needs syncing (the sinusoid table is computed alike on every rank). PyTorch 2.13 renamed
+        # the switch and deprecated the old name; older releases know only the old one.
+        no_sync = {_SYNC_BUFFERS: False}
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **no_sync)
         ddp.register_comm_hook(None, _sum_hook)
         return ddp
 
@@ -105,6 +109,12 @@ class Ranks:
 
 
 ONE = Ranks()  # one process, no process group
+
+_SYNC_BUFFERS = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    else "broadcast_buffers"
+)
 
 
 def _sum_hook(state, bucket):  # noqa: ANN001 (DDP checks these annotations; as strings they fail)

@@ -14,6 +14,7 @@ The last line printed is JSON with every figure and ratio.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -47,6 +48,7 @@ from aiayn.model import Transformer  # noqa: E402
 from aiayn.train import make_optimizer, train_step  # noqa: E402
 
 MAX_TOKENS = 4096
+CPU = torch.device("cpu")
 
 
 def workload(vocab: int, n_pairs: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -55,12 +57,14 @@ def workload(vocab: int, n_pairs: int) -> tuple[list[list[int]], list[list[int]]
     return src, tgt
 
 
-def fixed_batches(src: list[list[int]], tgt: list[list[int]]) -> list[list[int]]:
-    """Pairs in order, each batch as full as 4,096 padded target tokens allow (no bucketing)."""
+def fixed_batches(
+    src: list[list[int]], tgt: list[list[int]], max_tokens: int = MAX_TOKENS
+) -> list[list[int]]:
+    """Pairs in order, each batch as full as `max_tokens` padded target tokens allow (no bucketing)."""
     batches, batch, width = [], [], 0
     for i in range(len(src)):
         w = max(width, len(tgt[i]))
-        if batch and (len(batch) + 1) * w > MAX_TOKENS:
+        if batch and (len(batch) + 1) * w > max_tokens:
             batches.append(batch)
             batch, w = [], len(tgt[i])
         batch.append(i)
@@ -68,8 +72,8 @@ def fixed_batches(src: list[list[int]], tgt: list[list[int]]) -> list[list[int]]
     return batches + [batch] if batch else batches
 
 
-def tensors(src, tgt, batches):
-    return [collate(src, tgt, b) for b in batches]
+def tensors(src, tgt, batches, device: torch.device = CPU):
+    return [tuple(t.to(device) for t in collate(src, tgt, b)) for b in batches]
 
 
 def aiayn_model(shape: dict) -> Transformer:
@@ -87,18 +91,19 @@ def aiayn_model(shape: dict) -> Transformer:
     )
 
 
-def stepper(system: str, shape: dict, dtype: str):
-    """A function doing one training update on (src, tgt_in, tgt_out) for `system`."""
+def stepper(system: str, shape: dict, dtype: str, device: torch.device = CPU):
+    """A function doing one training update on (src, tgt_in, tgt_out) for `system`, on `device`."""
     torch.manual_seed(0)
     if system == "aiayn":
-        model = aiayn_model(shape).train()
+        model = aiayn_model(shape).to(device).train()
         cfg = TrainConfig(dtype=dtype)
-        opt = make_optimizer(model, cfg)
+        opt = make_optimizer(model, cfg)  # on CUDA: the fused Adam
         return lambda batch: train_step(model, opt, [list(batch)], 1e-4, cfg)
     model = TorchTransformer(**shape) if system == "torch.nn" else marian_model(shape)
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    model.to(device).train()
+    fused = device.type == "cuda"  # the peers get the fused Adam too: the same optimizer work
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=fused)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
     def step(batch):
         src, tgt_in, tgt_out = batch
@@ -169,10 +174,214 @@ def run_child(system: str, config: str, dtype: str, bucket: bool) -> None:
     print(peak_rss_mb())
 
 
+# --- On CUDA -------------------------------------------------------------------------------------------
+
+# Dense bf16 matrix peak by the datasheet (SXM parts, without sparsity), what MFU is quoted against in the
+# field; the H200 is the H100's chip with more memory. The GEMM peak measured in the same run is reported
+# beside it.
+DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}
+CUDA_BUDGETS = "4096,8192,16384,25000"
+
+
+def datasheet_peak(gpu: str) -> float | None:
+    return next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in gpu), None)
+
+
+def cuda_gemm_peak(dtype: torch.dtype, n: int = 8192, reps: int = 10, device: str = "cuda") -> float:
+    """Measured torch.matmul throughput (TFLOP/s) of an n x n x n product on the GPU, mean of `reps`."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def cuda_measure(step, batches) -> float:
+    """Non-padding target tokens per second over the batches, the GPU's queue drained at both ends."""
+    torch.cuda.synchronize()
+    start, tokens = time.perf_counter(), 0
+    for batch in batches:
+        tokens += step(batch)[1]
+    torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - start)
+
+
+def cuda_peak_memory(system: str, shape: dict, dtype: str, batches, device: torch.device) -> float:
+    """Peak GPU memory (MB, torch's allocator) of `system` alone doing the updates: its weights, gradients,
+    Adam's state and activations; every other system's memory freed first."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()  # the batches themselves, shared by every system
+    step = stepper(system, shape, dtype, device)
+    for batch in batches:
+        step(batch)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak / 2**20
+
+
+def cuda_profile(step, batches, rows: int = 25) -> str:
+    """What aiayn's update is made of on the GPU: torch.profiler's kernels by GPU time, and the share of
+    the wall time the GPU was busy (a launch-bound loop leaves it idle between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for batch in batches:
+        step(batch)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for batch in batches:
+            step(batch)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6  # microseconds of kernels -> s
+    table = events.table(sort_by="self_device_time_total", row_limit=rows)
+    head = f"wall {1e3 * wall:.1f} ms under the profiler, kernels {1e3 * busy:.1f} ms ({100 * busy / wall:.0f}% busy)"
+    return head + "\n" + table
+
+
+def cuda_main(args) -> None:
+    """Training on the GPU: the same systems and batches as on the CPU, at several batch sizes (padded
+    target tokens per batch), peak memory from torch's allocator, MFU against the dense bf16 peak."""
+    from aiayn.precision import configure
+
+    device = torch.device(args.device)
+    configure(device)  # TF32 for fp32 matmuls, as aiayn's training sets it; the peers run in this process too
+    gpu = torch.cuda.get_device_name(device)
+    dtypes = args.dtypes.split(",") if args.dtypes else ["bf16"]
+    budgets = [int(b) for b in (args.max_tokens or CUDA_BUDGETS).split(",")]
+    systems = ["aiayn", "torch.nn"] + (["marian"] if have("transformers") else [])
+    notes = [] if have("transformers") else ["transformers not installed: Hugging Face Marian skipped"]
+    measured = {
+        d: cuda_gemm_peak({"fp32": torch.float32, "bf16": torch.bfloat16}[d], device=args.device)
+        for d in dtypes
+    }
+    sheet = datasheet_peak(gpu)
+    where = f"{gpu}, CUDA {torch.version.cuda}, torch {torch.__version__}"
+    print(f"device: {where}")
+    print(
+        "GEMM peak (8192^3 torch.matmul): " + ", ".join(f"{d} {v:.0f} TFLOP/s" for d, v in measured.items())
+    )
+    if sheet:
+        print(f"datasheet dense bf16 peak: {sheet:.0f} TFLOP/s")
+    results, profiles = [], {}
+    n = args.batches
+    for config in args.configs.split(","):
+        shape = CONFIGS[config]
+        # enough pairs for n + 1 full batches at the largest budget (about 16 tokens a pair)
+        src, tgt = workload(shape["vocab"], max(4000, (n + 2) * max(budgets) // 12))
+        for budget in budgets:
+            fixed = tensors(src, tgt, fixed_batches(src, tgt, budget)[: n + 1], device)
+            order = make_batches([len(s) for s in src], [len(t) + 1 for t in tgt], budget, seed=0, epoch=0)
+            bucketed = tensors(src, tgt, order[: n + 1], device)
+            flops = sum(train_flops(shape, s, t) for s, t, _ in fixed[:n])
+            tokens = sum(int((t != PAD).sum()) for _, _, t in fixed[:n])
+            for dtype in dtypes:
+                memory = {name: cuda_peak_memory(name, shape, dtype, fixed[:3], device) for name in systems}
+                memory["aiayn (bucketing)"] = cuda_peak_memory("aiayn", shape, dtype, bucketed[:3], device)
+                steps = {name: stepper(name, shape, dtype, device) for name in systems}
+                timed = {name: (lambda s=steps[name], b=fixed[:n]: cuda_measure(s, b)) for name in systems}
+                timed["aiayn (bucketing)"] = lambda s=steps["aiayn"], b=bucketed[:n]: cuda_measure(s, b)
+                rates = alternate(timed, args.reps)
+                for name, values in rates.items():
+                    rate = median(values)
+                    row = {
+                        "config": config,
+                        "dtype": dtype,
+                        "max_tokens": budget,
+                        "system": name,
+                        "tokens_per_s": rate,
+                        "peak_memory_mb": memory[name],
+                    }
+                    if name != "aiayn (bucketing)":
+                        seconds = tokens / rate
+                        row["mfu_measured_peak"] = flops / seconds / 1e12 / measured[dtype]
+                        if sheet and dtype == "bf16":
+                            row["mfu"] = flops / seconds / 1e12 / sheet
+                        row["tflops"] = flops / seconds / 1e12
+                    results.append(row)
+                if args.profile and budget == max(budgets):
+                    profiles[f"{config}/{dtype}/{budget}"] = cuda_profile(steps["aiayn"], fixed[:n])
+                del steps
+    print_cuda_table(results)
+    summary = cuda_ratios(results)
+    for line in summary["lines"]:
+        print(line)
+    for key, text in profiles.items():
+        print(f"\nprofile of aiayn's updates, {key} tokens:\n{text}")
+    print(
+        json.dumps(
+            {
+                "benchmark": "train",
+                "device": where,
+                "gpu": gpu,
+                "gemm_peak_tflops": measured,
+                "datasheet_bf16_tflops": sheet,
+                "results": results,
+                "ratios": summary["ratios"],
+                "notes": notes,
+            }
+        )
+    )
+
+
+def print_cuda_table(results: list[dict]) -> None:
+    print(
+        f"\n{'config':6} {'dtype':5} {'tokens':>6} {'system':18} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak MB':>8}"
+    )
+    for r in results:
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+        tf = f"{r['tflops']:.0f}" if "tflops" in r else "-"
+        print(
+            f"{r['config']:6} {r['dtype']:5} {r['max_tokens']:6} {r['system']:18} {r['tokens_per_s']:9.0f} "
+            f"{tf:>8} {mfu:>6} {r['peak_memory_mb']:8.0f}"
+        )
+
+
+def cuda_ratios(results: list[dict]) -> dict:
+    """aiayn / best peer in speed and / lowest peer in memory, per config, dtype and batch size."""
+    out, lines = {}, []
+    for key in sorted({(r["config"], r["dtype"], r["max_tokens"]) for r in results}):
+        cell = {r["system"]: r for r in results if (r["config"], r["dtype"], r["max_tokens"]) == key}
+        peers = {k: v for k, v in cell.items() if not k.startswith("aiayn")}
+        if not peers:
+            continue
+        best = max(peers, key=lambda k: peers[k]["tokens_per_s"])
+        low = min(peers, key=lambda k: peers[k]["peak_memory_mb"])
+        entry = {
+            "speed_vs_best_peer": cell["aiayn"]["tokens_per_s"] / peers[best]["tokens_per_s"],
+            "best_peer": best,
+            "memory_vs_lowest_peer": cell["aiayn"]["peak_memory_mb"] / peers[low]["peak_memory_mb"],
+            "lowest_memory_peer": low,
+        }
+        out["/".join(map(str, key))] = entry
+        lines.append(
+            f"{key[0]} {key[1]} {key[2]} tokens: aiayn {entry['speed_vs_best_peer']:.2f}x the best peer ({best}), "
+            f"memory {entry['memory_vs_lowest_peer']:.2f}x the lowest ({low})"
+        )
+    return {"ratios": out, "lines": lines}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="small,base")
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--configs", help="default: small,base on the CPU, base on CUDA")
+    ap.add_argument("--dtypes", help="default: fp32,bf16 on the CPU, bf16 on CUDA")
+    ap.add_argument(
+        "--max-tokens", help=f"CUDA: padded target tokens per batch, each a cell ({CUDA_BUDGETS})"
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="CUDA: torch.profiler of aiayn at the largest batch"
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", type=int, default=3, help="batches per timed round")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS child processes")
@@ -181,6 +390,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return run_child(*args.child, args.bucket)
+    if args.device == "cuda":
+        args.configs = args.configs or "base"
+        return cuda_main(args)
+    args.configs, args.dtypes = args.configs or "small,base", args.dtypes or "fp32,bf16"
 
     set_threads()
     systems = ["aiayn", "torch.nn"] + (["marian"] if have("transformers") else [])

@@ -123,7 +123,7 @@ class TorchTransformer(nn.Module):
         return self.dropout(self.embed(x) * math.sqrt(self.d_model) + self.pe[: x.size(1)])
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.size(1))
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.size(1), device=tgt_in.device)
         h = self.transformer(
             self.emb(src),
             self.emb(tgt_in),

@@ -49,15 +49,17 @@ def train_argv(prefix, out, *extra) -> list:
     ]
 
 
-def run_train(out, model_config, train_config, tokenizer, corpus, mode: str = "new", **kwargs) -> Result:
-    """train() into OUT on the CPU, quietly, opening OUT as `aiayn train` with that mode would: the
-    corpus is prepared into OUT/data with this tokenizer (or, resuming, OUT/data is used)."""
+def run_train(
+    out, model_config, train_config, tokenizer, corpus, mode: str = "new", device="cpu", **kwargs
+) -> Result:
+    """train() into OUT on the device (the CPU unless told), quietly, opening OUT as `aiayn train` with
+    that mode would: the corpus is prepared into OUT/data with this tokenizer (or, resuming, OUT/data is used)."""
     run = Run.open(out, mode, progress=False)
     if run.resuming and (run.data_dir / MANIFEST).is_file():
         data = open_prepared(run.data_dir)
     else:
         data = prepare_corpus(run.data_dir, corpus, tokenizer=tokenizer, say=lambda line: None)
-    return train(run, model_config, train_config, data, device=torch.device("cpu"), **kwargs)
+    return train(run, model_config, train_config, data, device=torch.device(device), **kwargs)
 
 
 @pytest.fixture(scope="session")
