@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_check.sh [DIR]          (make gpu-check: DIR = runs/gpu-check)
 #   PARTS="cuda-tests train" bash benchmarks/gpu_check.sh      only those parts
 #   DEADLINE_S=540 ...                          stop starting parts after this many seconds
+#   TRAIN_ARGS, TRANSLATE_ARGS, PIPELINE_ARGS   more flags for that benchmark (e.g. TRANSLATE_ARGS="--dtypes bf16")
 # PYTHON picks the interpreter (default: .venv/bin/python if there is one, else python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,10 +49,10 @@ part() {
 }
 
 part cuda-tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py
-part train 240 "$PY" benchmarks/bench_train.py --device cuda --profile
-part translate 300 "$PY" benchmarks/bench_translate.py --device cuda
+part train 240 "$PY" benchmarks/bench_train.py --device cuda --profile ${TRAIN_ARGS:-}
+part translate 300 "$PY" benchmarks/bench_translate.py --device cuda ${TRANSLATE_ARGS:-}
 work=$(mktemp -d)  # the pipeline's corpus and run, a few hundred MB
-part pipeline 240 "$PY" benchmarks/bench_pipeline.py --work "$work"
+part pipeline 240 "$PY" benchmarks/bench_pipeline.py --work "$work" ${PIPELINE_ARGS:-}
 part suite 600 "$PY" -m pytest -q -p no:cacheprovider -n 8 --dist loadfile --ignore=tests/test_cuda.py
 rm -rf "$work"
 
