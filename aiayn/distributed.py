@@ -41,6 +41,18 @@ class Ranks:
         if backend == "auto":
             backend = "nccl" if on_cuda else "gloo"
         if on_cuda:
+            if device.startswith("cuda:"):
+                raise ValueError(
+                    f"--device {device} with {world} processes: each process takes the GPU of its local rank; "
+                    "use --device cuda (CUDA_VISIBLE_DEVICES picks which GPUs)"
+                )
+            gpus = torch.cuda.device_count()
+            if local_rank >= gpus:
+                processes = os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))
+                raise ValueError(
+                    f"{processes} processes on this machine but {gpus} GPU(s): one GPU a process; start at "
+                    f"most {gpus} (--nproc, torchrun --nproc-per-node) or train on the CPU with --device cpu"
+                )
             torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
             timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -48,7 +60,8 @@ class Ranks:
         return cls(rank, world, local_rank)
 
     def device(self, device: str) -> torch.device:
-        """This rank's device: cuda:LOCAL_RANK on CUDA (one GPU per rank), else as asked."""
+        """This rank's device: cuda:LOCAL_RANK on CUDA (one GPU per rank; start() refused cuda:N), else
+        as asked."""
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and self.world > 1:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from aiayn.config import preset_for_corpus, recipe
 from aiayn.data import (
@@ -40,7 +41,7 @@ from aiayn.data import (
     text_digest,
 )
 from aiayn.files import TMP_SUFFIX, fsync_dir, write_text
-from aiayn.tokenizer import Tokenizer
+from aiayn.tokenizer import BOS_ID, PAD_ID, Tokenizer
 
 MANIFEST, VALID = "manifest.json", "valid.json"
 FORMAT = 1
@@ -73,6 +74,30 @@ class Ids(Sequence):
 
     def __getitem__(self, i: Any) -> np.ndarray:
         return self.flat[self.offsets[i] : self.offsets[i + 1]]
+
+    def padded(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sentences `rows` (B,) padded to the longest of them: ids (B, W) int64 and the mask (B, W) of
+        real tokens, in one gather from the flat array instead of a copy a sentence."""
+        lengths = self.lengths[rows].astype(np.int64)  # (B,)
+        columns = np.arange(int(lengths.max(initial=0)))  # (W,)
+        real = columns < lengths[:, None]  # (B, W)
+        out = np.full(real.shape, PAD_ID, dtype=np.int64)  # (B, W)
+        out[real] = self.flat[(self.offsets[rows].astype(np.int64)[:, None] + columns)[real]]
+        return out, real
+
+
+def collate_ids(src: Ids, tgt: Ids, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """data.collate of prepared ids, the same tensors, vectorised: a batch of the paper's 25,000 tokens has
+    about 800 sentences, and three copies a sentence kept a GPU waiting for its next batch."""
+    if (tgt.lengths[rows] == 0).any():
+        i = int(rows[np.flatnonzero(tgt.lengths[rows] == 0)[0]])
+        raise ValueError(f"pair {i} has an empty target; target ids must end with EOS")
+    src_ids, _ = src.padded(rows)  # (B, S)
+    tgt_out, real = tgt.padded(rows)  # (B, T)
+    tgt_in = np.full_like(tgt_out, PAD_ID)  # (B, T): [BOS] + target without its last token (EOS)
+    tgt_in[:, 0] = BOS_ID
+    tgt_in[:, 1:] = np.where(real[:, 1:], tgt_out[:, :-1], PAD_ID)
+    return torch.from_numpy(src_ids), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)
 
 
 @dataclass(frozen=True)
@@ -523,4 +548,5 @@ __all__ = [
     "prepare_files",
     "prepare_corpus",
     "open_prepared",
+    "collate_ids",
 ]

@@ -87,6 +87,7 @@ class Run:
         self.clock = time.monotonic()
         self.tokens, self.tick = 0, self.clock  # target tokens since the last throughput figure
         self.tokenizer: Tokenizer | None = None
+        self.scaler: torch.amp.GradScaler | None = None  # fp16: its state goes into every checkpoint
         self.train_config: TrainConfig | None = None
 
     # --- Deciding (nothing is written) --------------------------------------------------------------
@@ -171,11 +172,12 @@ class Run:
         optimizer: torch.optim.Optimizer,
         data: Prepared,
         train_config: TrainConfig,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> Progress:
         """Prepare OUT: a resume checks `settings` against the run's own and loads its last checkpoint
-        into model and optimizer; a replacement removes the old run first; a corpus prepared for this
-        run (staged in OUT) moves to OUT/data. -> Progress."""
-        self.tokenizer, self.train_config = data.tokenizer, train_config
+        into model, optimizer and fp16's loss scaler; a replacement removes the old run first; a corpus
+        prepared for this run (staged in OUT) moves to OUT/data. -> Progress."""
+        self.tokenizer, self.train_config, self.scaler = data.tokenizer, train_config, scaler
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
         state = Progress()
@@ -186,6 +188,8 @@ class Run:
             checkpoint.load_weights(model, last / checkpoint.WEIGHTS)
             try:
                 optimizer.load_state_dict(saved["optimizer"])
+                if scaler is not None and "scaler" in saved:  # the scale it had learned, not 2^16 again
+                    scaler.load_state_dict(saved["scaler"])
                 progress = saved["progress"]
                 for legacy in ("snapshots", "average_from"):  # before `averaging` named the updates
                     progress.pop(legacy, None)
@@ -351,6 +355,8 @@ class Run:
             return None
         saved = dataclasses.replace(state, minutes=self.minutes(), metrics_bytes=self.metrics_length())
         payload = {"optimizer": optimizer.state_dict(), "progress": asdict(saved), "rng": rng_state()}
+        if self.scaler is not None:
+            payload["scaler"] = self.scaler.state_dict()
         path = checkpoint.save_checkpoint(
             self.out, state.step, model, self.tokenizer, self.train_config, payload
         )

@@ -30,7 +30,7 @@ from aiayn.distributed import ONE, Ranks
 from aiayn.evaluate import evaluate, score
 from aiayn.model import Transformer
 from aiayn.precision import autocast, configure, default_device, resolve_dtype
-from aiayn.prepare import Ids, Prepared
+from aiayn.prepare import Ids, Prepared, collate_ids
 from aiayn.run import Progress, Run
 from aiayn.tokenizer import PAD_ID
 from aiayn.translate import Translator
@@ -142,7 +142,9 @@ def train(
     torch.manual_seed(cfg.seed)
     model = Transformer(model_config).to(device)
     optimizer = make_optimizer(model, cfg)
-    state = run.begin(run_settings(model_config, cfg, data, settings, ranks), model, optimizer, data, cfg)
+    state = run.begin(
+        run_settings(model_config, cfg, data, settings, ranks), model, optimizer, data, cfg, scaler
+    )
     sizes = {"pairs": len(pairs.keep), "too_long": pairs.too_long, "params": model.num_parameters()}
     run.log({"event": "data", **sizes}, echo=True)
     validation, ddp = Validation(data, cfg, device), ranks.wrap(model.train())
@@ -365,7 +367,7 @@ class Pairs:
 
     def tensors(self, batch: list[int], device: torch.device, epoch: int = 0) -> list[Tensor]:
         """[src (B, S), tgt_in (B, T), tgt_out (B, T)] of one micro-batch of the epoch, on the device."""
-        tensors = collate(*self.sides[epoch % len(self.sides)], self.keep[batch].tolist())
+        tensors = collate_ids(*self.sides[epoch % len(self.sides)], self.keep[batch])
         if device.type == "cuda":  # page-locked: the copy runs while the GPU computes
             return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
         return [t.to(device) for t in tensors]

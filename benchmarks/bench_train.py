@@ -210,22 +210,33 @@ def cuda_measure(step, batches) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def cuda_peak_memory(system: str, shape: dict, dtype: str, batches, device: torch.device) -> float:
-    """Peak GPU memory (MB, torch's allocator) of `system` alone doing the updates: its weights, gradients,
-    Adam's state and activations; every other system's memory freed first."""
-    gc.collect()
-    torch.cuda.empty_cache()
+def cuda_systems(systems: list[str], shape: dict, dtype: str, device: torch.device, batch) -> dict:
+    """Each system's update function, its model built once on the GPU (initialised there: seconds less a
+    model than on the CPU), and the memory it holds between updates (weights and Adam's two moments,
+    made by one update): {name: (step, persistent bytes)}."""
+    out = {}
+    for name in systems:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with device:
+            step = stepper(name, shape, dtype, device)
+        step(batch)  # Adam's state exists from the first update on; gradients are freed after each
+        torch.cuda.synchronize()
+        out[name] = (step, torch.cuda.memory_allocated() - before)
+    return out
+
+
+def cuda_peak_memory(step, persistent: int, batches) -> float:
+    """Peak GPU memory (MB, torch's allocator) of one system doing the updates as if it were alone: what it
+    holds between updates plus the most its updates allocated on top (activations, gradients). The other
+    systems' models stay on the GPU meanwhile, unchanged, so they cancel out."""
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()  # the batches themselves, shared by every system
-    step = stepper(system, shape, dtype, device)
+    before = torch.cuda.memory_allocated()
     for batch in batches:
         step(batch)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del step
-    gc.collect()
-    torch.cuda.empty_cache()
-    return peak / 2**20
+    return (torch.cuda.max_memory_allocated() - before + persistent) / 2**20
 
 
 def cuda_profile(step, batches, rows: int = 25) -> str:
@@ -279,16 +290,24 @@ def cuda_main(args) -> None:
         shape = CONFIGS[config]
         # enough pairs for n + 1 full batches at the largest budget (about 16 tokens a pair)
         src, tgt = workload(shape["vocab"], max(4000, (n + 2) * max(budgets) // 12))
+        data = {}
         for budget in budgets:
             fixed = tensors(src, tgt, fixed_batches(src, tgt, budget)[: n + 1], device)
             order = make_batches([len(s) for s in src], [len(t) + 1 for t in tgt], budget, seed=0, epoch=0)
-            bucketed = tensors(src, tgt, order[: n + 1], device)
-            flops = sum(train_flops(shape, s, t) for s, t, _ in fixed[:n])
-            tokens = sum(int((t != PAD).sum()) for _, _, t in fixed[:n])
-            for dtype in dtypes:
-                memory = {name: cuda_peak_memory(name, shape, dtype, fixed[:3], device) for name in systems}
-                memory["aiayn (bucketing)"] = cuda_peak_memory("aiayn", shape, dtype, bucketed[:3], device)
-                steps = {name: stepper(name, shape, dtype, device) for name in systems}
+            data[budget] = fixed, tensors(src, tgt, order[: n + 1], device)
+        for dtype in dtypes:
+            built = cuda_systems(systems, shape, dtype, device, data[min(budgets)][0][0])
+            steps = {name: step for name, (step, _) in built.items()}
+            for budget in budgets:
+                fixed, bucketed = data[budget]
+                flops = sum(train_flops(shape, s, t) for s, t, _ in fixed[:n])
+                tokens = sum(int((t != PAD).sum()) for _, _, t in fixed[:n])
+                memory = {
+                    name: cuda_peak_memory(step, held, fixed[:3]) for name, (step, held) in built.items()
+                }
+                memory["aiayn (bucketing)"] = cuda_peak_memory(
+                    steps["aiayn"], built["aiayn"][1], bucketed[:3]
+                )
                 timed = {name: (lambda s=steps[name], b=fixed[:n]: cuda_measure(s, b)) for name in systems}
                 timed["aiayn (bucketing)"] = lambda s=steps["aiayn"], b=bucketed[:n]: cuda_measure(s, b)
                 rates = alternate(timed, args.reps)
@@ -311,7 +330,9 @@ def cuda_main(args) -> None:
                     results.append(row)
                 if args.profile and budget == max(budgets):
                     profiles[f"{config}/{dtype}/{budget}"] = cuda_profile(steps["aiayn"], fixed[:n])
-                del steps
+            del built, steps
+            gc.collect()
+            torch.cuda.empty_cache()
     print_cuda_table(results)
     summary = cuda_ratios(results)
     for line in summary["lines"]:

@@ -102,8 +102,9 @@ class Trace:
     scalers: list = field(default_factory=list)  # the GradScaler of each update, or None
 
 
-def traced_run(out: Path, task, device, mode: str = "new", stop_at: int = 0, **fields):
-    """run_train on the device with TRAIN and `fields`; stop_at: a Ctrl-C during that update. -> (Result, Trace)"""
+def traced_run(out: Path, task, device, mode: str = "new", stop_at: int = 0, scaler=None, **fields):
+    """run_train on the device with TRAIN and `fields`; stop_at: a Ctrl-C during that update; scaler: the
+    GradScaler class fp16 gets (CountingScaler). -> (Result, Trace)"""
     tokenizer, corpus, model_config = task
     trace, real_step, real_stop = Trace(), train_module.train_step, train_module.stop_reason
 
@@ -123,7 +124,7 @@ def traced_run(out: Path, task, device, mode: str = "new", stop_at: int = 0, **f
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train_module, "train_step", recorded)
         patch.setattr(train_module, "stop_reason", stop_reason)
-        patch.setattr(torch.amp, "GradScaler", CountingScaler)  # what train.grad_scaler makes
+        patch.setattr(torch.amp, "GradScaler", scaler or CountingScaler)  # what train.grad_scaler makes
         cfg = TrainConfig(**{**TRAIN, **fields})
         result = run_train(out, model_config, cfg, tokenizer, corpus, mode=mode, device=device)
     return result, trace
@@ -151,6 +152,14 @@ class CountingScaler(torch.amp.GradScaler):
     def update(self, new_scale=None):
         self.calls["update"] += 1
         return super().update(new_scale)
+
+
+class HighScaler(CountingScaler):
+    """A loss scale starting at 2^40, where fp16 gradients overflow: it halves at each of the first updates
+    (which skip Adam's step), so the scale a run has reached differs from the one it started with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "init_scale": 2.0**40})
 
 
 def mean(values: list[float]) -> float:
@@ -228,7 +237,41 @@ def test_a_resumed_bf16_run_continues(task, tmp_path):
     assert max_difference(last_weights(tmp_path / "run"), last_weights(tmp_path / "through")) <= 1e-3
 
 
+@cuda_only
+def test_a_resumed_fp16_run_goes_on_from_the_loss_scale_it_had_reached(task, tmp_path):
+    """fp16's loss scale is learned as a run goes (halved at an overflow, doubled after 2,000 clean updates):
+    the checkpoint holds it, and a resume starts from it, not from the initial scale again, which would
+    skip updates the uninterrupted run made."""
+    kwargs = dict(max_updates=24, dtype="fp16", scaler=HighScaler)
+    _, through = traced_run(tmp_path / "through", task, DEVICE, **kwargs)
+    first, _ = traced_run(tmp_path / "run", task, DEVICE, stop_at=12, **kwargs)
+    assert first.step == 12
+    saved = checkpoint.load_state(checkpoint.list_checkpoints(tmp_path / "run")[-1])
+    assert saved["scaler"]["scale"] < 2.0**40  # it had learned a smaller one by then
+    second, resumed = traced_run(tmp_path / "run", task, DEVICE, mode="resume", **kwargs)
+    assert second.step == 24 and resumed.scalers[-1].get_scale() == through.scalers[-1].get_scale()
+    assert max_difference(last_weights(tmp_path / "run"), last_weights(tmp_path / "through")) <= 1e-3
+
+
 # --- torchrun and NCCL -----------------------------------------------------------------------------------
+
+
+@cuda_only
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="needs a machine with one GPU")
+def test_more_processes_than_gpus_is_a_one_line_error(tmp_path):
+    """Two ranks on a machine with one GPU: rank 1 has no GPU of its own; it says so in one line instead of
+    failing inside CUDA (it failed on "invalid device ordinal" before)."""
+    src, tgt = generate(50, seed=3)
+    for lang, lines in (("en", src), ("xx", tgt)):
+        (tmp_path / f"c.{lang}").write_text("".join(line + "\n" for line in lines))
+    flags = ["--preset", "tiny", "--vocab-size", 200, "--max-updates", 2, "--device", "cuda"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "aiayn", *map(str, train_argv(tmp_path / "c", tmp_path / "o", *flags))]  # fmt: skip
+    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("aiayn: error: ")]
+    assert errors and "2 processes on this machine but 1 GPU(s)" in errors[0], done.stderr[-2000:]
+
 
 BACKEND = "nccl" if ON_CUDA else "gloo"
 

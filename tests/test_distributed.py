@@ -131,7 +131,7 @@ PAPER = ("--set", "schedule=paper")
 def flags(corpus: Path, *extra) -> list[str]:
     return [
         "--train", corpus / "c", "--valid", corpus / "v", "--src-lang", "en", "--tgt-lang", "xx",
-        "--preset", "tiny", "--vocab-size", 300, "--max-tokens", 300, "--quiet",
+        "--preset", "tiny", "--vocab-size", 300, "--max-tokens", 300, "--quiet", "--device", "cpu",
         "--set", "valid_every=3", "--set", "dropout=0.1", "--set", "dtype=fp32", "--set", "dist_timeout_minutes=0.5",
         *extra,
     ]  # fmt: skip

@@ -40,7 +40,7 @@ def trained(tmp_path_factory):
     train_config = TrainConfig(dtype="fp32", max_updates=250, max_tokens=1000, warmup_steps=100)
     run_train(root / "model", config, train_config, tokenizer, corpus)
     export_ctranslate2(root / "model", root / "ct2")
-    ours = Translator.load(root / "model", device="cpu")
+    ours = Translator.load(root / "model", dtype="fp32", device="cpu")  # auto would be bf16 on an AMX CPU
     theirs = CTranslate2Translator(root / "ct2", threads=1)
     return root / "model", root / "ct2", ours, theirs
 
@@ -177,7 +177,7 @@ def test_variants_score_like_aiayn(tmp_path, norm, joint, positions):
             assert torch.allclose(torch.tensor(result.log_probs), expected, atol=1e-4)
 
     search = SearchConfig(beam_size=1, max_len_a=0.0, max_len_b=20)
-    ours = Translator(model, tokenizer).translate_ids(src, search)
+    ours = Translator(model, tokenizer, dtype="fp32").translate_ids(src, search)
     assert [h[0].tokens for h in theirs.translate_ids(src, search)] == [h[0].tokens for h in ours]
     with pytest.raises(ValueError, match="max_positions"):  # 100 output positions > the 96 exported
         theirs.translate_ids(src[:1], SearchConfig(beam_size=1, max_len_a=0.0, max_len_b=100))

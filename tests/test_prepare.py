@@ -12,8 +12,8 @@ import pytest
 from conftest import run_cli, train_argv
 
 from aiayn import checkpoint
-from aiayn.data import clean_pairs, read_parallel, split_valid
-from aiayn.prepare import MANIFEST, TokenizerOptions, open_prepared, prepare_files
+from aiayn.data import clean_pairs, collate, read_parallel, split_valid
+from aiayn.prepare import MANIFEST, TokenizerOptions, collate_ids, open_prepared, prepare_files
 from aiayn.synthetic import generate
 from aiayn.tokenizer import Tokenizer
 
@@ -57,6 +57,19 @@ def test_the_stored_ids_are_the_tokenizers_encoding_of_every_kept_pair(corpus, t
     committed = data.commit(tmp_path / "DATA")
     assert committed.manifest == data.manifest and decoded(committed.src) == decoded(data.src)
     assert not (tmp_path / "data").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_batch_gathered_from_the_flat_ids_is_the_one_collate_pads_sentence_by_sentence(corpus, tmp_path):
+    data = prepare_files(
+        tmp_path / "data", str(corpus), "en", "xx", options=TokenizerOptions(vocab_size=400), **QUIET
+    )
+    rng = np.random.default_rng(0)
+    for size in (1, 2, 7, 64, len(data.src)):
+        rows = rng.choice(len(data.src), size, replace=False)
+        for fast, slow in zip(
+            collate_ids(data.src, data.tgt, rows), collate(data.src, data.tgt, rows.tolist())
+        ):
+            assert fast.dtype == slow.dtype and fast.shape == slow.shape and bool((fast == slow).all())
 
 
 def test_a_bounded_sample_teaches_the_tokenizer(corpus, tmp_path):
