@@ -242,6 +242,7 @@ def cuda_peak_memory(step, persistent: int, batches) -> float:
 def cuda_profile(step, batches, rows: int = 25) -> str:
     """What aiayn's update is made of on the GPU: torch.profiler's kernels by GPU time, and the share of
     the wall time the GPU was busy (a launch-bound loop leaves it idle between kernels)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     for batch in batches:
@@ -254,7 +255,8 @@ def cuda_profile(step, batches, rows: int = 25) -> str:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t
     events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1e6  # microseconds of kernels -> s
+    # the kernels' own entries (an operator's row repeats its kernels' time): microseconds -> s
+    busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
     table = events.table(sort_by="self_device_time_total", row_limit=rows)
     head = f"wall {1e3 * wall:.1f} ms under the profiler, kernels {1e3 * busy:.1f} ms ({100 * busy / wall:.0f}% busy)"
     return head + "\n" + table

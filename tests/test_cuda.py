@@ -261,10 +261,10 @@ def test_a_resumed_fp16_run_goes_on_from_the_loss_scale_it_had_reached(task, tmp
 def test_more_processes_than_gpus_is_a_one_line_error(tmp_path):
     """Two ranks on a machine with one GPU: rank 1 has no GPU of its own; it says so in one line instead of
     failing inside CUDA (it failed on "invalid device ordinal" before)."""
-    src, tgt = generate(50, seed=3)
+    src, tgt = generate(300, seed=3)
     for lang, lines in (("en", src), ("xx", tgt)):
         (tmp_path / f"c.{lang}").write_text("".join(line + "\n" for line in lines))
-    flags = ["--preset", "tiny", "--vocab-size", 200, "--max-updates", 2, "--device", "cuda"]
+    flags = ["--preset", "tiny", "--vocab-size", 300, "--max-updates", 2, "--device", "cuda"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "aiayn", *map(str, train_argv(tmp_path / "c", tmp_path / "o", *flags))]  # fmt: skip
     done = subprocess.run(torchrun, capture_output=True, text=True, timeout=120)

@@ -142,6 +142,21 @@ def aiayn(*argv, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=TIMEOUT, **kwargs)
 
 
+def test_more_processes_than_gpus_or_one_gpu_for_all_is_refused_before_cuda_is_touched(monkeypatch):
+    """Rank 1 of two on a machine with one GPU (as torchrun describes it): a ValueError saying so, not CUDA's
+    "invalid device ordinal" from inside the first kernel; --device cuda:N under torchrun likewise, since
+    every rank takes the GPU of its local rank. The same on a real one-GPU machine: tests/test_cuda.py."""
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"2 processes on this machine but 1 GPU\(s\).*--device cpu"):
+        Ranks.start(device="auto")
+    with pytest.raises(ValueError, match="--device cuda:1 with 2 processes"):
+        Ranks.start(device="cuda:1")
+    assert not dist.is_initialized()
+
+
 def torchrun(logs: Path, *argv) -> list:
     """torchrun of `aiayn ARGV` on 2 ranks, each rank's output in a file of its own under logs."""
     return [
