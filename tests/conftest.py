@@ -78,3 +78,16 @@ def served_model(tmp_path_factory):
     cfg = TrainConfig(max_updates=60, max_tokens=800, warmup_steps=20, lr_scale=2.0, dtype="fp32")
     run_train(out, config, cfg, tokenizer, Corpus(src, tgt))
     return out
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD (the update is proportional to the gradient, so a scale error shows) recording each update's
+    gradients (train_step drops them after the step)."""
+
+    def __init__(self, model):
+        super().__init__(model.parameters(), lr=0.1)
+        self.model, self.grads = model, []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for p in self.model.parameters()])
+        return super().step(closure)

@@ -25,7 +25,7 @@ import pytest
 import sacrebleu
 import torch
 import torch.distributed as dist
-from conftest import run_cli, run_train, train_argv
+from conftest import RecordingSGD, run_cli, run_train, train_argv
 
 from aiayn import checkpoint
 from aiayn import train as train_module
@@ -296,18 +296,6 @@ def test_torchrun_with_one_rank_gives_the_weights_of_one_process(tmp_path):
     assert json.loads(last[last.index("{") :]) == json.loads(stdout.splitlines()[-1])
     assert checkpoint.list_checkpoints(tmp_path / "ddp")[-1].name == "step_00000012"
     assert max_difference(last_weights(tmp_path / "ddp"), last_weights(tmp_path / "one")) <= RERUN
-
-
-class RecordingSGD(torch.optim.SGD):
-    """SGD recording each update's gradients (train_step drops them after the step)."""
-
-    def __init__(self, model):
-        super().__init__(model.parameters(), lr=0.1)
-        self.model, self.grads = model, []
-
-    def step(self, closure=None):
-        self.grads.append([p.grad.clone() for p in self.model.parameters()])
-        return super().step(closure)
 
 
 def test_nccl_collectives_and_ddp_give_one_processs_numbers(tmp_path):

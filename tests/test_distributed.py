@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import RecordingSGD
 
 from aiayn import checkpoint
 from aiayn.config import TrainConfig, preset
@@ -35,18 +36,6 @@ TIMEOUT = 180  # seconds for one torchrun; the process group gives up after dist
 
 
 # --- The gradient of W ranks ---------------------------------------------------------------------------
-
-
-class RecordingSGD(torch.optim.SGD):
-    """SGD (the update is proportional to the gradient, so a scale error shows) recording each gradient."""
-
-    def __init__(self, model):
-        super().__init__(model.parameters(), lr=0.1)
-        self.model, self.grads = model, []
-
-    def step(self, closure=None):
-        self.grads.append([p.grad.clone() for p in self.model.parameters()])
-        return super().step(closure)
 
 
 def setup():
