@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn.model import DecoderCache, Memory, Transformer
 from aiayn.precision import cpu_flags, cpu_info
-from aiayn.search import beam_candidates, greedy_candidates
+from aiayn.search import BeamLive, BeamStep, Decoder, GreedyStep, beam_candidates, greedy_candidates
 from aiayn.tokenizer import PAD_ID
 
 
@@ -166,7 +166,7 @@ def _pad(index: Tensor, n: int) -> Tensor:
     return torch.cat([index, index[-1:].expand(n - index.numel())])
 
 
-class CompiledDecoder:
+class CompiledDecoder(Decoder):
     """The narrow model interface of search.py (encode, new_cache, decode) over a compiled step.
 
     A batch of up to max_sentences sentences is padded up to a power of two (1, 2, 4, ... sentences), so
@@ -221,8 +221,8 @@ class CompiledDecoder:
             "step": step,
             "encoder": model.encoder_states,
             "cross": model.cross_keys_values,
-            "beam": beam_candidates,
-            "greedy": greedy_candidates,
+            "beam": _beam_work,
+            "greedy": _greedy_work,
         }
         self.compiled = {
             name: torch.compile(fn, fullgraph=True, options=self.options) for name, fn in self.graphs.items()
@@ -301,22 +301,28 @@ class CompiledDecoder:
         )
         return self._call(key, tgt_in, *cache.arguments())[:live]
 
-    def beam_candidates(self, logits: Tensor, *state: Any) -> tuple[Tensor, ...]:
-        """search.beam_candidates (logits (B, N, V), the beam's state, n_best, alpha, kind) as one graph for
-        one sentence and one for any number of them (B and V dynamic), per beam, n_best and penalty: at
-        one sentence of `small`, eager, its 30-odd operators took half as long as the compiled step."""
+    def beam_candidates(
+        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+    ) -> BeamStep:
+        """search.beam_candidates as one graph for one sentence and one for any number of them (B and V
+        dynamic), per beam, n_best and penalty: at one sentence of `small`, eager, its 30-odd operators
+        took half as long as the compiled step (benchmarks/bench_translate.py)."""
         if logits.size(0) > self.max_sentences:
-            return beam_candidates(logits, *state)
-        key = ("beam", min(logits.size(0), 2), logits.size(1), *state[-3:], str(logits.dtype))
-        return self._search_work(key, 2, (logits, *state[:5]), (logits, *state))
+            return beam_candidates(logits, live, length, n_best, alpha, kind)
+        key = ("beam", min(logits.size(0), 2), logits.size(1), n_best, alpha, kind, str(logits.dtype))
+        args = (logits, *live, length, n_best, alpha, kind)
+        return BeamStep(*self._search_work(key, 2, (logits, *live), args))
 
-    def greedy_candidates(self, logits: Tensor, *state: Tensor) -> tuple[Tensor, ...]:
-        """search.greedy_candidates (logits (B, V), log_prob, limit, length) as one graph for one sentence
-        and one for any number (B and V dynamic)."""
+    def greedy_candidates(
+        self, logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
+    ) -> GreedyStep:
+        """search.greedy_candidates as one graph for one sentence and one for any number (B and V dynamic)."""
         if logits.size(0) > self.max_sentences:
-            return greedy_candidates(logits, *state)
+            return greedy_candidates(logits, log_prob, limit, length)
         key = ("greedy", min(logits.size(0), 2), str(logits.dtype))
-        return self._search_work(key, 1, (logits, *state[:2]), (logits, *state))
+        return GreedyStep(
+            *self._search_work(key, 1, (logits, log_prob, limit), (logits, log_prob, limit, length))
+        )
 
     def _search_work(self, key: tuple, vocabulary: int, batched: tuple[Tensor, ...], args: tuple) -> Any:
         """Graph key, a search's own work after a step, on args: batched[0] is the logits, whose size along
@@ -421,6 +427,29 @@ class CompiledDecoder:
         package = _Package(torch._inductor.aoti_load_package(str(path)).loader)
         self.load_seconds += time.perf_counter() - start
         return package
+
+
+def _beam_work(
+    logits: Tensor,
+    scores: Tensor,
+    limit: Tensor,
+    limit_penalty: Tensor,
+    best_finished: Tensor,
+    n_finished: Tensor,
+    length: Tensor,
+    n_best: int,
+    alpha: float,
+    kind: str,
+) -> tuple[Tensor, ...]:
+    """search.beam_candidates with its named inputs and outputs flat: a graph's arguments and results are
+    tensors and constants (an exported package would otherwise have to know search's types by name)."""
+    live = BeamLive(scores, limit, limit_penalty, best_finished, n_finished)
+    return tuple(beam_candidates(logits, live, length, n_best, alpha, kind))
+
+
+def _greedy_work(logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor) -> tuple[Tensor, ...]:
+    """search.greedy_candidates with a flat result, as _beam_work."""
+    return tuple(greedy_candidates(logits, log_prob, limit, length))
 
 
 class _Package:

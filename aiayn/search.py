@@ -17,8 +17,9 @@ The contract, the same for greedy and beam search:
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,100 @@ class Seq2Seq(Protocol):
     def new_cache(self, memory: Memory, max_len: int) -> DecoderCache: ...
 
     def decode(self, tgt_in: Tensor, memory: Memory | None, cache: DecoderCache | None = None) -> Tensor: ...
+
+
+class GreedyStep(NamedTuple):
+    """What one greedy step's tensor work gives (greedy_candidates)."""
+
+    token: Tensor  # (B,) the most probable next token of each live sentence
+    log_prob: Tensor  # (B,) its summed log-probability, that token's included
+    done: Tensor  # (B,) the sentences that end now (EOS, or their maximum length)
+    any_done: Tensor  # () whether there is one
+
+
+class BeamLive(NamedTuple):
+    """What one beam step's tensor work reads of the live sentences (BeamState holds it)."""
+
+    scores: Tensor  # (B, N) summed log-probabilities of the live hypotheses, float32
+    limit: Tensor  # (B,) maximum output length, EOS included
+    limit_penalty: Tensor  # (B,) lp(limit)
+    best_finished: Tensor  # (B, n_best) the best finished scores, descending; -inf where there are fewer
+    n_finished: Tensor  # (B,) finished hypotheses so far
+
+
+class BeamStep(NamedTuple):
+    """What one beam step's tensor work gives (beam_candidates); K = 2N candidates a sentence."""
+
+    top: Tensor  # (B, K) candidate log-probabilities, best first
+    parent: Tensor  # (B, K) the row in the batch each extends
+    token: Tensor  # (B, K)
+    final: Tensor  # (B, K) the finished ones
+    penalised: Tensor  # (B, K) top / lp(length)
+    best_finished: Tensor  # (B, n_best) the new best finished scores
+    n_finished: Tensor  # (B,)
+    scores: Tensor  # (B, N) of the live hypotheses
+    live_parent: Tensor  # (B, N)
+    live_token: Tensor  # (B, N)
+    done: Tensor  # (B,) sentences that are done
+    flags: Tensor  # (2,) whether any candidate is final, whether any sentence is done
+
+
+class Decoder(ABC):
+    """What search runs: the model's three steps (Seq2Seq) and the search's own tensor work after each
+    decoding step. EagerDecoder runs a model as it is; compiled.CompiledDecoder runs each as a graph; a
+    wrapper of a decoder (shortlist.Shortlisted) passes on all five, or cannot be made (abstract)."""
+
+    @abstractmethod
+    def encode(self, src: Tensor) -> Memory: ...
+
+    @abstractmethod
+    def new_cache(self, memory: Memory, max_len: int) -> DecoderCache: ...
+
+    @abstractmethod
+    def decode(self, tgt_in: Tensor, memory: Memory | None, cache: DecoderCache | None = None) -> Tensor: ...
+
+    @abstractmethod
+    def greedy_candidates(
+        self, logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
+    ) -> GreedyStep:
+        """search.greedy_candidates, or what computes the same."""
+
+    @abstractmethod
+    def beam_candidates(
+        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+    ) -> BeamStep:
+        """search.beam_candidates, or what computes the same."""
+
+
+class EagerDecoder(Decoder):
+    """A model (Transformer, or a test's scripted one) run as it is, with the search's work in eager PyTorch."""
+
+    def __init__(self, model: Seq2Seq):
+        self.model = model
+
+    def encode(self, src: Tensor) -> Memory:
+        return self.model.encode(src)
+
+    def new_cache(self, memory: Memory, max_len: int) -> DecoderCache:
+        return self.model.new_cache(memory, max_len)
+
+    def decode(self, tgt_in: Tensor, memory: Memory | None, cache: DecoderCache | None = None) -> Tensor:
+        return self.model.decode(tgt_in, memory, cache)
+
+    def greedy_candidates(
+        self, logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
+    ) -> GreedyStep:
+        return greedy_candidates(logits, log_prob, limit, length)
+
+    def beam_candidates(
+        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+    ) -> BeamStep:
+        return beam_candidates(logits, live, length, n_best, alpha, kind)
+
+
+def as_decoder(model: Seq2Seq | Decoder) -> Decoder:
+    """A decoder as it is; a model (the Seq2Seq interface alone) run eagerly."""
+    return model if isinstance(model, Decoder) else EagerDecoder(model)
 
 
 @dataclass
@@ -90,7 +185,7 @@ def _limits(max_len: Tensor | int, src: Tensor) -> Tensor:
 
 
 @torch.inference_mode()
-def greedy_search(model: Seq2Seq, src: Tensor, *, max_len: Tensor | int) -> list[list[int]]:
+def greedy_search(model: Seq2Seq | Decoder, src: Tensor, *, max_len: Tensor | int) -> list[list[int]]:
     """The most probable next token at every step; tokens without BOS and EOS, in input order.
 
     max_len: an int for every sentence or a (B,) tensor (`max_lengths` computes the §6.1 one).
@@ -98,10 +193,13 @@ def greedy_search(model: Seq2Seq, src: Tensor, *, max_len: Tensor | int) -> list
     return [h.tokens for h in _greedy(model, src, _limits(max_len, src), 0.0, "gnmt")]
 
 
-def _greedy(model: Seq2Seq, src: Tensor, limit: Tensor, alpha: float, kind: str) -> list[Hypothesis]:
+def _greedy(
+    model: Seq2Seq | Decoder, src: Tensor, limit: Tensor, alpha: float, kind: str
+) -> list[Hypothesis]:
     B = src.size(0)
     if B == 0:
         return []
+    model = as_decoder(model)
     T = int(limit.max())
     memory = model.encode(src)  # states (B, S, D)
     cache = model.new_cache(memory, T)  # T decoder positions: BOS and the first T-1 outputs
@@ -110,13 +208,13 @@ def _greedy(model: Seq2Seq, src: Tensor, limit: Tensor, alpha: float, kind: str)
     log_prob = torch.zeros(B, device=src.device)  # (B,) float32, all sentences; set when one stops
     length = limit.clone()  # (B,) tokens produced, EOS included; set when a sentence stops
     live_log_prob, live_limit = log_prob.clone(), limit  # (B,) of the live sentences
-    # a compiled decoder runs the step's tensor work as one graph (compiled.py); the same function
-    candidates_of = getattr(model, "greedy_candidates", greedy_candidates)
     produced = torch.ones(1, dtype=torch.long, device=src.device)  # (1,) t + 1
     last = src.new_full((B, 1), BOS_ID)  # (B, 1)
     for t in range(T):
         logits = model.decode(last, None, cache)[:, -1]  # (B, V); the cache holds what it needs of memory
-        token, live_log_prob, done, any_done = candidates_of(logits, live_log_prob, live_limit, produced)
+        token, live_log_prob, done, any_done = model.greedy_candidates(
+            logits, live_log_prob, live_limit, produced
+        )
         out[rows, t] = token
         produced += 1
         if bool(any_done):  # the step's one sync
@@ -138,21 +236,19 @@ def _greedy(model: Seq2Seq, src: Tensor, limit: Tensor, alpha: float, kind: str)
     return results
 
 
-def greedy_candidates(
-    logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def greedy_candidates(logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor) -> GreedyStep:
     """The tensor work of one greedy step, with no sync (a compiled decoder runs it as one graph).
 
     logits (B, V) of the live sentences; log_prob (B,) their summed log-probabilities so far; limit (B,)
     their maximum lengths; length (1,) = t + 1, the length of the token chosen now. Returns token (B,)
     the most probable; log_prob (B,) with its log-probability added; done (B,) the sentences ending
-    now (EOS or their limit); any_done (), whether there is one.
+    now (EOS or their limit); any_done (), whether there is one (GreedyStep).
     """
     logits = logits.float()
     best, token = logits.max(dim=-1)  # (B,), (B,)
     log_prob = log_prob + (best - torch.logsumexp(logits, dim=-1))  # log_softmax at the best token
     done = (token == EOS_ID) | (limit <= length)  # (B,)
-    return token, log_prob, done, done.any()
+    return GreedyStep(token, log_prob, done, done.any())
 
 
 # --- Beam search -----------------------------------------------------------------------------------
@@ -170,6 +266,10 @@ class BeamState:
     best_finished: Tensor  # (B, n_best) the best finished scores, descending; -inf where there are fewer
     limit_penalty: Tensor  # (B,) lp(limit): the most a live hypothesis' log-probability can be divided by
 
+    def live(self) -> BeamLive:
+        """What a step's tensor work reads."""
+        return BeamLive(self.scores, self.limit, self.limit_penalty, self.best_finished, self.n_finished)
+
     def select(self, keep: Tensor) -> None:
         """Keep only sentences `keep` (B',)."""
         N = self.scores.size(1)
@@ -183,7 +283,7 @@ class BeamState:
 
 @torch.inference_mode()
 def beam_search(
-    model: Seq2Seq,
+    model: Seq2Seq | Decoder,
     src: Tensor,
     config: SearchConfig,
     *,
@@ -213,6 +313,7 @@ def beam_search(
     if B == 0:
         return []
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]  # by input position
+    model = as_decoder(model)
 
     memory = model.encode(src)  # states (B, S, D)
     T = int(limit.max())
@@ -229,26 +330,22 @@ def beam_search(
         best_finished=torch.full((B, n_best), -math.inf, device=device),
         limit_penalty=length_penalty(limit, alpha, kind),
     )
-    # a compiled decoder runs the step's tensor work as one graph (compiled.py); the same function
-    candidates_of = getattr(model, "beam_candidates", beam_candidates)
     length = torch.ones(1, dtype=torch.long, device=device)  # (1,) t + 1: every candidate's length
     last = src.new_full((B * N, 1), bos)  # (B*N, 1)
     for _ in range(T):
         B = state.rows.numel()
         logits = model.decode(last, None, cache)[:, -1]  # (B*N, V); the cache holds what it needs of memory
-        (top, parent, token, final, penalised, state.best_finished, state.n_finished, state.scores,
-         live_parent, live_token, done, flags) = candidates_of(
-            logits.view(B, N, -1), state.scores, state.limit, state.limit_penalty, state.best_finished,
-            state.n_finished, length, n_best, alpha, kind)  # fmt: skip
-        any_final, any_done = flags.tolist()  # the step's one sync
+        step = model.beam_candidates(logits.view(B, N, -1), state.live(), length, n_best, alpha, kind)
+        state.best_finished, state.n_finished, state.scores = step.best_finished, step.n_finished, step.scores
+        any_final, any_done = step.flags.tolist()  # the step's one sync
         length += 1
         if any_final:
-            _collect(finished, state, final, parent, token, top, penalised, eos)
+            _collect(finished, state, step, eos)
 
-        index = live_parent.flatten()  # (B*N,) which cache row each new live hypothesis extends
-        state.tokens = torch.cat([state.tokens[index], live_token.view(-1, 1)], dim=1)  # (B*N, T+1)
+        index = step.live_parent.flatten()  # (B*N,) which cache row each new live hypothesis extends
+        state.tokens = torch.cat([state.tokens[index], step.live_token.view(-1, 1)], dim=1)  # (B*N, T+1)
         if any_done:  # drop the sentences that are done from the batch
-            keep = (~done).nonzero().squeeze(1)  # (B',)
+            keep = (~step.done).nonzero().squeeze(1)  # (B',)
             if keep.numel() == 0:
                 break
             state.select(keep)
@@ -262,28 +359,15 @@ def beam_search(
 
 
 def beam_candidates(
-    logits: Tensor,
-    scores: Tensor,
-    limit: Tensor,
-    limit_penalty: Tensor,
-    best_finished: Tensor,
-    n_finished: Tensor,
-    length: Tensor,
-    n_best: int,
-    alpha: float,
-    kind: str,
-) -> tuple[Tensor, ...]:
+    logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+) -> BeamStep:
     """The tensor work of one beam step, with no sync: what beam_search does between the decoder's logits
     and the Python that collects finished hypotheses (a compiled decoder runs it as one graph).
 
-    logits (B, N, V) of the live hypotheses; scores (B, N) their summed log-probabilities; limit (B,)
-    and limit_penalty (B,) = lp(limit); best_finished (B, n_best); n_finished (B,); length (1,) = t + 1,
-    the length every candidate has. Returns, K = 2N: top (B, K) candidate log-probabilities, best first;
-    parent (B, K) the row in the batch each extends; token (B, K); final (B, K) the finished ones;
-    penalised (B, K) = top / lp(length); the new best_finished, n_finished and scores (B, N) of the
-    live ones; live_parent (B, N); live_token (B, N); done (B,) sentences that are done; flags (2,)
-    whether any candidate is final, whether any sentence is done.
+    logits (B, N, V) of the live hypotheses; live: their scores and the sentences' limits and finished
+    hypotheses (BeamLive); length (1,) = t + 1, the length every candidate has. -> BeamStep.
     """
+    scores, limit, limit_penalty, best_finished, n_finished = live
     B, N, V = logits.shape
     K = 2 * N
     candidates = torch.log_softmax(logits.float(), dim=-1) + scores[:, :, None]  # (B, N, V)
@@ -312,7 +396,7 @@ def beam_candidates(
     worst = best_finished[:, -1]  # (B,) the n_best-th best finished score
     done = at_limit | ((n_finished >= n_best) & (bound <= worst))  # (B,)
     flags = torch.stack([final.any(), done.any()])  # (2,)
-    return (
+    return BeamStep(
         top,
         parent,
         token,
@@ -352,30 +436,21 @@ def top_k(x: Tensor, k: int, block: int = 64) -> tuple[Tensor, Tensor]:
     return values, n * V + (j * block + within % block).clamp_max(V - 1)
 
 
-def _collect(
-    finished: list[list[Hypothesis]],
-    state: BeamState,
-    final: Tensor,
-    parent: Tensor,
-    token: Tensor,
-    top: Tensor,
-    penalised: Tensor,
-    eos: int,
-) -> None:
-    """Append the candidates marked `final` (B, K) to the finished lists of their sentences."""
-    sentence, rank = final.nonzero().unbind(1)  # (F,), (F,)
-    prefix = state.tokens[parent[sentence, rank]].tolist()  # F x T
+def _collect(finished: list[list[Hypothesis]], state: BeamState, step: BeamStep, eos: int) -> None:
+    """Append the candidates the step marked final (B, K) to the finished lists of their sentences."""
+    sentence, rank = step.final.nonzero().unbind(1)  # (F,), (F,)
+    prefix = state.tokens[step.parent[sentence, rank]].tolist()  # F x T
     rows = state.rows[sentence].tolist()
-    last = token[sentence, rank].tolist()
-    log_prob = top[sentence, rank].tolist()
-    score = penalised[sentence, rank].tolist()
+    last = step.token[sentence, rank].tolist()
+    log_prob = step.top[sentence, rank].tolist()
+    score = step.penalised[sentence, rank].tolist()
     for row, tokens, tok, lp, s in zip(rows, prefix, last, log_prob, score):
         finished[row].append(Hypothesis(tokens if tok == eos else [*tokens, tok], s, lp))
 
 
 @torch.inference_mode()
 def search(
-    model: Seq2Seq,
+    model: Seq2Seq | Decoder,
     src: Tensor,
     config: SearchConfig,
     *,
@@ -393,6 +468,13 @@ def search(
 __all__ = [
     "Hypothesis",
     "BeamState",
+    "BeamLive",
+    "BeamStep",
+    "GreedyStep",
+    "Decoder",
+    "EagerDecoder",
+    "as_decoder",
+    "Seq2Seq",
     "greedy_search",
     "beam_search",
     "beam_candidates",

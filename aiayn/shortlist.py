@@ -21,6 +21,7 @@ from torch import Tensor
 
 from aiayn.files import write_text
 from aiayn.model import DecoderCache, Memory
+from aiayn.search import BeamLive, BeamStep, Decoder, GreedyStep, Seq2Seq, as_decoder
 from aiayn.tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, Tokenizer
 
 VMAP_FILE = "vmap.txt"
@@ -140,23 +141,34 @@ def load_shortlist(directory: str | Path, tokenizer: Tokenizer) -> Shortlist:
     return Shortlist.load(path, tokenizer)
 
 
-class Shortlisted:
-    """search.Seq2Seq over a model (eager or compiled.CompiledDecoder) whose batches decode only their
-    shortlist's candidates: the memory of each batch names them, its cache gathers their output rows."""
+class Shortlisted(Decoder):
+    """A decoder (eager, or compiled.CompiledDecoder) whose batches decode only their shortlist's
+    candidates: the memory of each batch names them, its cache gathers their output rows. Everything else
+    is the wrapped decoder's, the search's own step work included (a compiled one keeps its graphs)."""
 
-    def __init__(self, model, shortlist: Shortlist):
-        self.model, self.shortlist = model, shortlist
+    def __init__(self, decoder: Seq2Seq | Decoder, shortlist: Shortlist):
+        self.decoder, self.shortlist = as_decoder(decoder), shortlist
 
     def encode(self, src: Tensor) -> Memory:
-        memory = self.model.encode(src)
+        memory = self.decoder.encode(src)
         memory.vocabulary = self.shortlist.candidates(src)  # (V',)
         return memory
 
     def new_cache(self, memory: Memory, max_len: int) -> DecoderCache:
-        return self.model.new_cache(memory, max_len)
+        return self.decoder.new_cache(memory, max_len)
 
     def decode(self, tgt_in: Tensor, memory: Memory | None, cache: DecoderCache | None = None) -> Tensor:
-        return self.model.decode(tgt_in, memory, cache)
+        return self.decoder.decode(tgt_in, memory, cache)
+
+    def greedy_candidates(
+        self, logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
+    ) -> GreedyStep:
+        return self.decoder.greedy_candidates(logits, log_prob, limit, length)
+
+    def beam_candidates(
+        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+    ) -> BeamStep:
+        return self.decoder.beam_candidates(logits, live, length, n_best, alpha, kind)
 
 
 def _unique_per_sentence(sentences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,7 @@ from aiayn.compiled import CompiledDecoder, default_store
 from aiayn.config import SearchConfig
 from aiayn.model import Transformer
 from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, default_device, for_inference
-from aiayn.search import Hypothesis, max_lengths, search
+from aiayn.search import Decoder, EagerDecoder, Hypothesis, max_lengths, search
 from aiayn.shortlist import Shortlist, Shortlisted, load_shortlist
 from aiayn.tokenizer import PAD_ID, Tokenizer
 
@@ -52,7 +52,9 @@ class Translator:
         self.batch_tokens = batch_tokens  # source tokens x beam per batch
         # search runs on the model itself, or on its compiled decoding step (compiled.py), with or
         # without an output-layer shortlist (shortlist.py)
-        self.decoder = CompiledDecoder(self.model, store=default_store()) if compile else self.model
+        self.decoder: Decoder = (
+            CompiledDecoder(self.model, store=default_store()) if compile else EagerDecoder(self.model)
+        )
         if shortlist is not None:
             self.decoder = Shortlisted(self.decoder, shortlist)
 

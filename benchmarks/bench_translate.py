@@ -101,11 +101,7 @@ def aiayn_translator(
 ):
     model = for_inference(aiayn_model(shape).to(device), dtype)  # as Translator.load prepares it
     if compile:
-        # CompiledDecoder asks for max_autotune for the CPU's GEMMs (MKL is slow at a few rows); on a GPU
-        # it makes inductor compile and time Triton GEMM templates for every matrix shape of every graph,
-        # more compiling than this run has time for, against cuBLAS calls
-        options = {} if device.type == "cpu" else {"max_autotune": False}
-        model = CompiledDecoder(model, max_sentences=max_sentences, store=store, **options)
+        model = CompiledDecoder(model, max_sentences=max_sentences, store=store)
     model = NoEos(model)
 
     def run(batch: list[list[int]], beam: int) -> None:
@@ -402,9 +398,8 @@ def translators(args: argparse.Namespace, workdir: Path, notes: list[str]) -> di
             "per graph on top of the kernels)"
         )
         notes.append(
-            "aiayn compiled on CUDA: graphs compiled in memory, without max_autotune (turned off here: on a "
-            "GPU it autotunes Triton GEMM templates for every matrix shape of every graph) and without CUDA "
-            "graphs (compiled.py does not ask for them)"
+            "aiayn compiled on CUDA: graphs compiled in memory, without max_autotune (CompiledDecoder asks "
+            "for it on the CPU only) and without CUDA graphs (compiled.py does not ask for them)"
         )
         notes.append("fp32 on CUDA: TF32 matmuls for aiayn and Marian; CTranslate2's float32 is full fp32")
     if have("transformers"):

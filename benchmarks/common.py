@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.precision import cpu_flags, cpu_info
+from aiayn.search import BeamLive, BeamStep, Decoder, GreedyStep, Seq2Seq, as_decoder
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -188,27 +189,34 @@ def marian_model(shape: dict, dropout: float = 0.1):
     return MarianMTModel(marian_config(**shape, dropout=dropout))
 
 
-class NoEos(nn.Module):
-    """A model whose outputs never end (EOS gets no probability), so every system decodes exactly the
-    same number of tokens in a speed benchmark; search sees the same narrow interface (search.Seq2Seq)."""
+class NoEos(Decoder):
+    """A decoder whose outputs never end (EOS gets no probability), so every system decodes exactly the
+    same number of tokens in a speed benchmark; the wrapped decoder's own step work (a compiled one's
+    graphs) runs as it would."""
 
-    def __init__(self, model: nn.Module, eos: int = 2):
-        super().__init__()
-        self.model, self.eos = model, eos
-        for work in ("beam_candidates", "greedy_candidates"):  # a compiled decoder's search work: search
-            if hasattr(model, work):  # uses it as well
-                setattr(self, work, getattr(model, work))
+    def __init__(self, model: Seq2Seq | Decoder, eos: int = 2):
+        self.decoder, self.eos = as_decoder(model), eos
 
     def encode(self, src: Tensor):
-        return self.model.encode(src)
+        return self.decoder.encode(src)
 
     def new_cache(self, memory, max_len: int):
-        return self.model.new_cache(memory, max_len)
+        return self.decoder.new_cache(memory, max_len)
 
     def decode(self, tgt_in: Tensor, memory, cache=None) -> Tensor:
-        logits = self.model.decode(tgt_in, memory, cache)
+        logits = self.decoder.decode(tgt_in, memory, cache)
         logits[..., self.eos] = float("-inf")
         return logits
+
+    def greedy_candidates(
+        self, logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
+    ) -> GreedyStep:
+        return self.decoder.greedy_candidates(logits, log_prob, limit, length)
+
+    def beam_candidates(
+        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+    ) -> BeamStep:
+        return self.decoder.beam_candidates(logits, live, length, n_best, alpha, kind)
 
 
 def have(module: str) -> bool:

@@ -10,7 +10,8 @@ from aiayn.compiled import TRACED_CODE, CompiledDecoder, fingerprint
 from aiayn.config import SearchConfig, preset
 from aiayn.model import Transformer
 from aiayn.precision import for_inference
-from aiayn.search import beam_candidates, greedy_candidates, search
+from aiayn.search import BeamLive, beam_candidates, greedy_candidates, search
+from aiayn.shortlist import Shortlist, Shortlisted
 from aiayn.tokenizer import EOS_ID, PAD_ID
 
 V = 60
@@ -121,14 +122,15 @@ def test_a_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decod
     )
     with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():  # as search calls it
         if beam_size > 1:
-            args = (torch.randn(3, 2, V - 7), torch.zeros(3, 2), torch.full((3,), 9), torch.ones(3),
-                    torch.full((3, 2), -torch.inf), torch.zeros(3, dtype=torch.long), torch.ones(1, dtype=torch.long),
-                    2, config.alpha, config.length_penalty)  # fmt: skip
+            live = BeamLive(torch.zeros(3, 2), torch.full((3,), 9), torch.ones(3), torch.full((3, 2), -torch.inf),
+                            torch.zeros(3, dtype=torch.long))  # fmt: skip
+            args = (torch.randn(3, 2, V - 7), live, torch.ones(1, dtype=torch.long), 2, config.alpha,
+                    config.length_penalty)  # fmt: skip
         else:
             args = (torch.randn(3, V - 7), torch.zeros(3), torch.full((3,), 9), torch.full((1,), 9))
         got = getattr(compiled, f"{name}_candidates")(*args)
         expected = (beam_candidates if beam_size > 1 else greedy_candidates)(*args)
-        assert len(got) == len(expected)
+        assert type(got) is type(expected) and len(got) == len(expected)  # BeamStep or GreedyStep
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # exact where not a float
     if beam_size == 1:
@@ -271,3 +273,25 @@ def test_a_store_that_cannot_be_written_is_a_clear_error(decoders, tmp_path):
     with pytest.raises(ValueError, match="cannot keep compiled graphs there"):
         search(compiled, sources(1, 5, seed=7), SearchConfig(beam_size=1, max_len_b=5))
     assert compiled.compile_seconds == 0.0
+
+
+def test_a_shortlist_keeps_the_compiled_decoders_own_step_work(decoders, monkeypatch):
+    """`--compile --shortlist`: the shortlist wraps the compiled decoder and passes on every step of it,
+    the search's own work after each decoding step included (a wrapper that forwarded only encode,
+    new_cache and decode left that work eager, silently). Greedy on the compiled graphs; beam 4 through a
+    decoder that decodes every batch eagerly (max_sentences=0), which shows the forwarding alone."""
+    model, compiled = decoders
+    shortlist = Shortlist(torch.tensor([1, 2, 3]), torch.arange(V)[:, None])  # a source token allows itself
+    src = sources(1, 7, seed=9)
+    for decoder, config, work in (
+        (compiled, SearchConfig(beam_size=1, max_len_b=20), "greedy_candidates"),
+        (CompiledDecoder(model, max_sentences=0), SearchConfig(beam_size=4, max_len_b=20), "beam_candidates"),
+    ):
+        calls, real = [], getattr(decoder, work)
+        monkeypatch.setattr(
+            decoder, work, lambda *args, real=real, calls=calls: calls.append(1) or real(*args)
+        )
+        got = search(Shortlisted(decoder, shortlist), src, config)
+        want = search(Shortlisted(model, shortlist), src, config)
+        assert calls, f"the compiled decoder's {work} did not run"
+        assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in want]
