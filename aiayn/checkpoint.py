@@ -15,7 +15,6 @@ import os
 import pickle
 import shutil
 import struct
-import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ import safetensors.torch
 import torch
 
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig, from_dict, read_json, save_json
-from aiayn.files import TMP_SUFFIX, atomic_write, fsync_dir, write_set
+from aiayn.files import atomic_write, check_replaceable, staged_dir, write_set
 from aiayn.model import Transformer
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -183,19 +182,11 @@ def save_checkpoint(
     root = Path(out) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=TMP_SUFFIX))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private, like mkstemp in atomic_write
+    # the same step may be saved again (e.g. an interrupt right after a validation): replaced whole
+    with staged_dir(final) as tmp:
         save_model(tmp, model, tokenizer, train_config.search())
         atomic_write(tmp / TRAIN_CONFIG, lambda p: save_json(train_config, p))
         atomic_write(tmp / STATE, lambda p: torch.save(state, p))
-        if final.exists():  # the same step saved again (e.g. an interrupt right after a validation)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return final
 
 
@@ -290,8 +281,7 @@ def average(out: str | Path, last: int, dest: str | Path, force: bool = False) -
                 f"{dest}: the average cannot be written into the run it reads ({out} holds the run's best "
                 "model and its checkpoints); choose a new directory"
             )
-        if not force:
-            raise ValueError(f"{dest} already exists; use --force to replace it")
+        check_replaceable(dest, force)
     chosen = checkpoints[-last:]
     model = Transformer(load_model_config(chosen[0]))
     load_state_dict_tied(model, average_checkpoints(chosen))

@@ -35,7 +35,7 @@ from aiayn.config import (
 from aiayn.data import STDIN, input_path, read_lines
 from aiayn.distributed import env_rank
 from aiayn.evaluate import TOKENIZERS
-from aiayn.files import check_writable_dir, check_writable_file, write_output
+from aiayn.files import check_replaceable, check_writable_dir, check_writable_file, write_output
 from aiayn.precision import DEFAULT_DTYPE, resolve_device, resolve_dtype
 
 
@@ -53,10 +53,11 @@ def config_file(path: str | None) -> dict[str, Any]:
     path = input_path(path)
     try:
         loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as e:  # a syntax error: yaml knows where
+        where = f"{path}:{e.problem_mark.line + 1}" if e.problem_mark is not None else str(path)
+        raise ValueError(f"{where}: not valid YAML ({e.problem or e})") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ValueError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     if loaded is None:
@@ -275,8 +276,7 @@ def torch_cuda_available() -> bool:
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     out = check_writable_dir(args.out, "prepared corpus directory")
-    if out.exists() and not args.force:
-        raise ValueError(f"{out} already exists; use --force to replace it")
+    check_replaceable(out, args.force)
     data = prepare_from(args, out, args.seed)
     data = data.commit(out, replace=args.force)
     manifest = data.manifest

@@ -41,7 +41,7 @@ from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn.model import DecoderCache, Memory, Transformer
-from aiayn.precision import cpu_flags, cpu_info
+from aiayn.precision import Int8Linear, cpu_flags, cpu_info
 from aiayn.search import BeamLive, BeamStep, Decoder, GreedyStep, beam_candidates, greedy_candidates
 from aiayn.tokenizer import PAD_ID
 
@@ -501,15 +501,18 @@ def default_store() -> Path | None:
 TRACED_CODE = ("model.py", "precision.py", "search.py", "compiled.py")
 
 
-def fingerprint(model: torch.nn.Module, options: dict) -> str:
+def fingerprint(model: Transformer, options: dict) -> str:
     """A hash of what a compiled package depends on: the weights, the modules that use them and the
     model's configuration (the number of heads, say, which no weight shows), the code traced, the compile
     options, PyTorch's version and the processor (kernels are compiled for its instructions)."""
     digest = hashlib.blake2b(digest_size=12)
     for name in TRACED_CODE:
         digest.update((Path(__file__).parent / name).read_bytes())
-    digest.update(repr(getattr(model, "config", None)).encode())
-    modules = [(name, type(m).__name__, getattr(m, "w8a8", None)) for name, m in model.named_modules()]
+    digest.update(repr(model.config).encode())
+    modules = [
+        (name, type(m).__name__, m.w8a8 if isinstance(m, Int8Linear) else None)
+        for name, m in model.named_modules()
+    ]
     cpu = cpu_info()
     device = next(model.parameters()).device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +15,7 @@ from tqdm import tqdm
 
 from aiayn.checkpoint import load_model, read_model_config
 from aiayn.config import SearchConfig, save_json
-from aiayn.files import fsync_dir
+from aiayn.files import check_replaceable, staged_dir
 from aiayn.model import CrossAttention, FeedForward, SelfAttention, Transformer
 from aiayn.search import Hypothesis, length_penalty
 from aiayn.shortlist import VMAP_FILE
@@ -136,8 +133,7 @@ def export_ctranslate2(
         out.resolve() == model_dir.resolve() or out.resolve() in model_dir.resolve().parents
     ):
         raise ValueError(f"{out}: the export cannot replace the model directory it reads, or one holding it")
-    if out.exists() and not force:
-        raise ValueError(f"{out} already exists; use --force to replace it")
+    check_replaceable(out, force)
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / AIAYN_CONFIG).is_file())):
         raise ValueError(f"{out}: --force replaces only an earlier export (with {AIAYN_CONFIG}), not this")
     model = load_model(model_dir)
@@ -145,22 +141,10 @@ def export_ctranslate2(
     spec = ctranslate2_spec(model, tokenizer)
     if (model_dir / VMAP_FILE).is_file():  # the shortlist, for translate_batch(use_vmap=True)
         spec.register_vocabulary_mapping(str(model_dir / VMAP_FILE))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    except OSError as e:  # name the directory the user asked for, not the temporary one
-        raise OSError(e.errno, e.strerror, str(out)) from None
-    try:
+    with staged_dir(out) as tmp:
         SpecConverter(spec).convert(str(tmp), quantization=quantization, force=True)
         tokenizer.save(tmp)
         save_json(model.config, tmp / AIAYN_CONFIG)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 

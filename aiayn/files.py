@@ -1,17 +1,19 @@
-"""Writing results safely: a file or a set of files appears whole or not at all, and an output path is
-checked before the work that fills it.
+"""Writing results safely: a file, a set of files or a directory appears whole or not at all, and an
+output path is checked before the work that fills it.
 
 Every file is written under a temporary name beside its final one, fsynced, then renamed over it, so a
 kill at any moment leaves either the old file or the new one. `write_set` extends this to several files
-whose last one (a model directory's config.json) is what readers look for first.
+whose last one (a model directory's config.json) is what readers look for first; `staged_dir` to a
+directory (a checkpoint, an export) filled under a temporary name and renamed into place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,40 @@ def write_set(
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
     fsync_dir(directory)
+
+
+def check_replaceable(path: Path, force: bool) -> None:
+    """An output that exists is replaced only when the user said so."""
+    if path.exists() and not force:
+        raise ValueError(f"{path} already exists; use --force to replace it")
+
+
+@contextlib.contextmanager
+def staged_dir(final: Path) -> Iterator[Path]:
+    """A temporary directory beside `final` to fill; when the block ends without an error it replaces
+    `final` whole (replace_dir), else it is removed. A kill leaves a temporary name that
+    remove_temporaries finds."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=TMP_SUFFIX))
+    except OSError as e:  # name the directory the user asked for, not the temporary one
+        raise OSError(e.errno, e.strerror, str(final)) from None
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private, like mkstemp in stage
+        yield tmp
+        replace_dir(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(directory: Path, dest: Path) -> None:
+    """Rename `directory` to `dest`, removing what dest held first (a rename cannot replace a directory
+    that is not empty), and sync their parent."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(directory, dest)
+    fsync_dir(dest.parent)
 
 
 def fsync_dir(directory: Path) -> None:

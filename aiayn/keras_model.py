@@ -525,15 +525,14 @@ def from_aiayn(model_dir: str | Path) -> keras.Model:
 def export_keras(model_dir: str | Path, out: str | Path, force: bool = False) -> Path:
     """Write model directory MODEL_DIR as a .keras file OUT, loadable with keras.saving.load_model once
     this module is imported. OUT is written under a temporary name and renamed: never half written."""
-    from aiayn.files import TMP_SUFFIX, fsync_dir
+    from aiayn.files import TMP_SUFFIX, check_replaceable, fsync_dir
 
     out = Path(out)
     if out.suffix != ".keras":
         raise ValueError(f"{out}: a Keras model file must end in .keras")
     if out.is_dir():
         raise ValueError(f"{out}: is a directory; the output must be a .keras file")
-    if out.exists() and not force:
-        raise ValueError(f"{out} already exists; use --force to replace it")
+    check_replaceable(out, force)
     model = from_aiayn(model_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=TMP_SUFFIX))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.precision import Int8Linear
 from aiayn.tokenizer import PAD_ID
 
 # --- §3.2 Attention ---------------------------------------------------------------------------------
@@ -446,7 +447,7 @@ class Transformer(nn.Module):
         """(V', D) the output projection's rows of a shortlist (V',), once per batch; None for all."""
         if vocabulary is None:
             return None
-        if hasattr(self.generator, "rows"):  # an int8 layer (precision.Int8Linear) dequantises its rows
+        if isinstance(self.generator, Int8Linear):  # an int8 layer dequantises its rows
             return self.generator.rows(vocabulary)
         return self.generator.weight[vocabulary]
 

@@ -40,7 +40,7 @@ from aiayn.data import (
     rereadable,
     text_digest,
 )
-from aiayn.files import TMP_SUFFIX, fsync_dir, write_text
+from aiayn.files import TMP_SUFFIX, check_replaceable, replace_dir, write_text
 from aiayn.tokenizer import BOS_ID, PAD_ID, Tokenizer
 
 MANIFEST, VALID = "manifest.json", "valid.json"
@@ -133,12 +133,8 @@ class Prepared:
     def commit(self, dest: str | Path, replace: bool = False) -> Prepared:
         """Rename this (temporary) directory to dest, whole; replace: remove what dest holds first."""
         dest = Path(dest)
-        if dest.exists():
-            if not replace:
-                raise ValueError(f"{dest} already exists; use --force to replace it")
-            shutil.rmtree(dest)
-        os.replace(self.directory, dest)
-        fsync_dir(dest.parent)
+        check_replaceable(dest, replace)
+        replace_dir(self.directory, dest)
         return open_prepared(dest)
 
 

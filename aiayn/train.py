@@ -461,7 +461,8 @@ def train_step(
         if step.seeds is not None:
             torch.manual_seed(step.seeds[j])
         last = j == len(micro_batches) - 1
-        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+        ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        with model.no_sync() if ddp and not last else contextlib.nullcontext():
             with autocast(src.device, cfg.dtype):
                 real = tgt_out != PAD_ID  # (B, T)
                 logits = model(src, tgt_in, where=real)  # (n, V): no vocabulary work on padding
