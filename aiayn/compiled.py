@@ -166,6 +166,13 @@ def _pad(index: Tensor, n: int) -> Tensor:
     return torch.cat([index, index[-1:].expand(n - index.numel())])
 
 
+def dynamo_limits() -> contextlib.AbstractContextManager:
+    """What dynamo allows while a graph is traced: each row count is a graph of its own (greedy 1, 2, 4, ...
+    64 sentences; beams times that), more than its default of 8 a function, after which it would run
+    eager; and never a silent fall back to eager. Around tracing only, not for the process."""
+    return torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
+
+
 class CompiledDecoder(Decoder):
     """The narrow model interface of search.py (encode, new_cache, decode) over a compiled step.
 
@@ -183,10 +190,6 @@ class CompiledDecoder(Decoder):
     def __init__(
         self, model: Transformer, max_sentences: int = 32, store: str | Path | None = None, **options: Any
     ):
-        # Each row count is a graph of its own (greedy 1, 2, 4, ... 64 sentences; beams times that):
-        # more than dynamo's default of 8 per function, after which it would quietly run eager.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        torch._dynamo.config.fail_on_recompile_limit_hit = True  # never a silent fall back to eager
         self.model = model.eval()
         self.config = model.config
         self.max_sentences = max_sentences
@@ -362,7 +365,7 @@ class CompiledDecoder(Decoder):
             self._packages[key] = package = self._package(key, args)
             return package(*args)
         start = time.perf_counter()
-        with torch._inductor.config.patch(freezing=True), self._tracing():
+        with torch._inductor.config.patch(freezing=True), dynamo_limits(), self._tracing():
             out = fn(*args)
         self.compile_seconds += time.perf_counter() - start
         self._seen.add(key)

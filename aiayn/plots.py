@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
+import torch
+from matplotlib.figure import Figure  # drawn to files, never to a screen: no pyplot, no backend to choose
 
-matplotlib.use("Agg")  # files only, no screen
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-
-from aiayn.config import SearchConfig  # noqa: E402
-from aiayn.files import atomic_write  # noqa: E402
-from aiayn.model import attention_maps  # noqa: E402
-from aiayn.tokenizer import BOS_ID  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
+from aiayn.config import SearchConfig
+from aiayn.files import atomic_write
+from aiayn.model import attention_maps
+from aiayn.tokenizer import BOS_ID
+from aiayn.translate import Translator
 
 
 def plot_curves(metrics: str | Path, out: str | Path) -> Path:
@@ -23,7 +20,8 @@ def plot_curves(metrics: str | Path, out: str | Path) -> Path:
     records = read_metrics(Path(metrics))
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "valid_bleu" in r]
-    fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_loss, ax_bleu = fig.subplots(1, 2)
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
     if valid:
         ax_loss.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-", label="validation")
@@ -57,12 +55,9 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
-def save_figure(fig: plt.Figure, path: Path, dpi: int) -> None:
-    """A PNG written whole or not at all, then the figure closed."""
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
-    finally:
-        plt.close(fig)
+def save_figure(fig: Figure, path: Path, dpi: int) -> None:
+    """A PNG written whole or not at all."""
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
 
 
 def plot_attention(translator: Translator, source: str, out_dir: str | Path, layer: int = -1) -> list[Path]:
@@ -94,7 +89,8 @@ def plot_attention(translator: Translator, source: str, out_dir: str | Path, lay
         ncols = min(H, 2 if H == 4 else 4)
         nrows = (H + ncols - 1) // ncols
         width, height = min(12.0, 1.5 + 0.3 * len(cols)), min(12.0, 1.2 + 0.3 * len(rows))
-        fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows + 0.6), squeeze=False)
+        fig = Figure(figsize=(width * ncols, height * nrows + 0.6))
+        axes = fig.subplots(nrows, ncols, squeeze=False)
         for h, ax in enumerate(axes.flat):
             if h >= H:
                 ax.axis("off")

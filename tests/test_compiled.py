@@ -295,3 +295,15 @@ def test_a_shortlist_keeps_the_compiled_decoders_own_step_work(decoders, monkeyp
         want = search(Shortlisted(model, shortlist), src, config)
         assert calls, f"the compiled decoder's {work} did not run"
         assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in want]
+
+
+def test_making_a_compiled_decoder_leaves_dynamos_settings_to_the_process(decoders):
+    """The recompile limit and the refusal to fall back to eager hold while a graph is traced (compiled.
+    dynamo_limits), not from the moment a decoder exists: a library call must not change the process."""
+    model, _ = decoders
+    with torch._dynamo.config.patch(recompile_limit=7, fail_on_recompile_limit_hit=False):
+        CompiledDecoder(model, max_autotune=False)
+        assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit) == (
+            7,
+            False,
+        )

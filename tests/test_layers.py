@@ -4,8 +4,12 @@ keeps mutable state at module level, and the training loop stays short enough to
 import ast
 import importlib
 import inspect
+import json
+import os
 import pkgutil
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import aiayn
@@ -74,3 +78,41 @@ def test_no_module_keeps_mutable_state():
 def test_the_training_loop_reads_on_one_screen():
     lines = inspect.getsource(train.train).splitlines()
     assert len(lines) <= 65, len(lines)
+
+
+# What importing a module must leave as it was: only entry points change the process.
+SNAPSHOT = """
+import importlib, json, os, sys
+import matplotlib, torch
+def snapshot():
+    return {
+        "environment": dict(os.environ),
+        "matplotlib backend": str(dict.__getitem__(matplotlib.rcParams, "backend")),
+        "torch threads": torch.get_num_threads(),
+        "TF32": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "dynamo config": (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit),
+        "inductor config": (torch._inductor.config.freezing, torch._inductor.config.max_autotune),
+    }
+snapshot()  # reading the compilers' settings imports them, and inductor then names its cache in os.environ
+changed = {}
+for name in sys.argv[1:]:
+    before = snapshot()
+    importlib.import_module(f"aiayn.{name}")
+    after = snapshot()
+    changed.update({name: sorted(k for k in before if before[k] != after[k])} if before != after else {})
+print(json.dumps(changed))
+"""
+
+
+def test_importing_a_module_changes_nothing_in_the_process():
+    """Each module imported in a fresh process, bottom layer first (so a change shows at the module that
+    makes it): the environment, matplotlib's backend, torch's threads, TF32 and the compilers' settings
+    stay as they were. One exception, on purpose: Keras reads its backend once, when it is first imported,
+    so aiayn.keras_model sets KERAS_BACKEND=torch (when unset) just before; that is what lets it load
+    without TensorFlow. The same check sees it, which shows the check has teeth."""
+    order = sorted((m for m in layers() if m != "__main__"), key=lambda m: layers()[m])
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    done = subprocess.run([sys.executable, "-c", SNAPSHOT, *order], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"keras_model": ["environment"]}
