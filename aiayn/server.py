@@ -154,12 +154,20 @@ def model_failure(e: Exception, metrics: Metrics) -> ApiError:
 # --- The worker ----------------------------------------------------------------------------------------
 
 
+STARTING = (
+    "the model is compiling its decoding graphs (the server's console shows how far); try again shortly"
+)
+
+
 class Worker:
     """The one thread that calls the model: lines batched across requests, and other calls in turn."""
 
     def __init__(self, translate: Callable[[list[list[int]], SearchConfig], list[list[Hypothesis]]],
-                 config: ServeConfig, metrics: Metrics, threads: int | None):  # fmt: skip
+                 config: ServeConfig, metrics: Metrics, threads: int | None,
+                 warm_up: Callable[[], None] | None = None):  # fmt: skip
         self.translate, self.config, self.metrics, self.threads = translate, config, metrics, threads
+        self.warm_up = warm_up  # what runs before the first job: compiling the decoding graphs
+        self.ready = threading.Event()  # set once warm_up is done: /health says ok, jobs are taken
         self.queue: queue.Queue = queue.Queue()
         self.waiting = 0  # lines queued and not yet taken: what the queue limit counts
         self.lock = threading.Lock()
@@ -169,12 +177,16 @@ class Worker:
         self.current: list[Line | Call] = []  # what the worker has in hand
 
     def start(self) -> None:
+        if self.warm_up is None:  # ready at once: no request can find it starting
+            self.ready.set()
         self.thread.start()
 
     def submit(self, jobs: list[Line | Call]) -> None:
         """Queue all of a request's jobs, or none of them (503 when the queue would overflow)."""
         if not self.alive:
             raise ApiError(503, "unavailable", "the model worker stopped; see the server's log")
+        if not self.ready.is_set():
+            raise ApiError(503, "starting", STARTING, {"Retry-After": "5"})
         with self.lock:
             if self.waiting + len(jobs) > self.config.max_queue:
                 self.metrics.failures.labels("overload").inc()
@@ -206,6 +218,9 @@ class Worker:
         if self.threads:
             torch.set_num_threads(self.threads)
         try:
+            if self.warm_up is not None:
+                self.warm_up()
+            self.ready.set()
             while True:
                 job = self.take(block=True)
                 if job is STOP:
@@ -368,7 +383,13 @@ def create_app(
     config = config or ServeConfig()
     metrics = Metrics()
     translate = (engine or translator).translate_ids
-    worker = Worker(translate, config, metrics, threads)
+    # --compile: the graphs of the default search, for every batch size the worker makes, are compiled (or
+    # loaded from the store) before /health says ok; a request with another beam compiles its own at first
+    default = replace(translator.search_config, beam_size=config.beam_size)
+    warm_up = None
+    if engine is None and translator.compiled is not None:
+        warm_up = lambda: translator.warm_up(default, config.batch_sentences, log.warning)  # noqa: E731
+    worker = Worker(translate, config, metrics, threads, warm_up)
     model = translator.model
     info = {
         "version": metadata.version("aiayn"),
@@ -473,6 +494,8 @@ def create_app(
     async def health() -> Response:
         if not worker.alive:
             raise ApiError(503, "unavailable", "the model worker stopped; see the server's log")
+        if not worker.ready.is_set():
+            raise ApiError(503, "starting", STARTING, {"Retry-After": "5"})
         if service.closing:
             raise ApiError(503, "shutting_down", "the server is shutting down")
         return JSONResponse({"status": "ok"})

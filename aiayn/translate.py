@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,6 +82,28 @@ class Translator:
         candidates = load_shortlist(directory, tokenizer) if shortlist else None
         model = for_inference(model, dtype)
         return cls(model, tokenizer, search_config, dtype, compile=compile, shortlist=candidates)
+
+    @property
+    def compiled(self) -> CompiledDecoder | None:
+        """The compiled decoder search runs on (under a shortlist or not), or None when it runs eagerly."""
+        decoder = self.decoder.decoder if isinstance(self.decoder, Shortlisted) else self.decoder
+        return decoder if isinstance(decoder, CompiledDecoder) else None
+
+    def warm_up(self, search_config: SearchConfig, max_sentences: int, say: Callable[[str], None]) -> None:
+        """Compile, or load from the store, the graphs that batches of up to max_sentences decode with under
+        this search, before a real batch waits for them: one search of each batch size a compiled decoder
+        has graphs of its own for (1, 2, 4, ..., and max_sentences). Nothing to do for an eager decoder."""
+        compiled = self.compiled
+        if compiled is None:
+            return
+        limit = min(max_sentences, compiled.max_sentences)
+        sizes = sorted({min(1 << k, limit) for k in range(limit.bit_length() + 1)})  # rows are powers of 2
+        line = self.tokenizer.encode_src(["warm up"])[0]
+        start = time.perf_counter()
+        for i, size in enumerate(sizes, start=1):
+            say(f"compiled decoding: the graphs of {size} sentence(s) a batch ({i} of {len(sizes)})")
+            self.translate_ids([line] * size, search_config)
+        say(f"compiled decoding: ready after {time.perf_counter() - start:.0f} s")
 
     @property
     def device(self) -> torch.device:

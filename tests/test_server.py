@@ -269,23 +269,36 @@ def test_lines_of_concurrent_requests_share_a_batch_and_the_header_says_so(trans
         assert [int(r.headers["X-Batch-Size"]) for r in responses] == [1, 1, 1]
 
 
-def test_a_compiled_step_serves_the_eager_translations(model_dir, translator):
-    """`aiayn serve --compile`: requests batched together in the worker thread decode through compiled
-    graphs (compiled.py) and get what the eager model gives."""
+def test_a_compiled_server_compiles_before_it_says_ready_and_serves_the_eager_translations(
+    model_dir, translator
+):
+    """`aiayn serve --compile`: the worker compiles the graphs of every batch size it will make (here 1 and
+    2 sentences of beam 4, batch_sentences=2) before /health says ok, refusing translations meanwhile with
+    503 "starting"; after that, requests batched together decode through the graphs without compiling
+    anything more (on the first requests, that compiling outlasted the request timeout) and get what the
+    eager model gives."""
     compiled = Translator.load(model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu", compile=True)
-    assert isinstance(compiled.decoder, CompiledDecoder)
-    # the server's path, not inductor's GEMM autotuning (which only picks kernels, and doubles the time)
+    assert compiled.compiled is compiled.decoder
+    # in memory, and without inductor's GEMM autotuning (which only picks kernels, and doubles the time)
     compiled.decoder = CompiledDecoder(compiled.model, max_autotune=False)
-    # the first batch compiles its graphs in the worker (20 s alone, more beside another test process):
-    # longer than the default request timeout of 30 s would allow under load
-    with client_for(compiled, batch_wait_ms=300, timeout_s=300) as c:
-        release = block_worker(c.app, 5)  # the three requests queue up and decode as one batch
+    with client_for(compiled, batch_wait_ms=300, batch_sentences=2, timeout_s=300) as c:
+        first = c.get("/health")
+        if first.status_code != 200:  # still compiling (it takes seconds): translations wait for it too
+            assert error_of(first, 503, "starting") and first.headers["Retry-After"]
+            assert error_of(c.post("/translate", json={"text": INPUTS[:1]}), 503, "starting")
+        deadline = time.monotonic() + 300
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the graphs took over 5 minutes"
+            time.sleep(0.2)
+        warm = compiled.decoder.compile_seconds
+        assert warm > 0  # graphs were made before the server said it was ready
+        release = block_worker(c.app, 5)  # the three requests queue up: batches of 2 and 1
         threading.Timer(0.5, release.set).start()
         responses = concurrent(c, [{"text": [text]} for text in INPUTS])
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
         assert [r.json()["translations"] for r in responses] == [translator.translate([t]) for t in INPUTS]
-        assert max(int(r.headers["X-Batch-Size"]) for r in responses) == 3
-    assert compiled.decoder.compile_seconds > 0  # a graph was made, and used
+        assert max(int(r.headers["X-Batch-Size"]) for r in responses) == 2
+    assert compiled.decoder.compile_seconds == warm  # nothing compiled on a request's time
 
 
 # --- A real server: a client that goes away, a shutdown with requests pending ---------------------------
