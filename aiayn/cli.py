@@ -310,9 +310,7 @@ def search_config_from(args: argparse.Namespace, n_best: int = 1) -> SearchConfi
     base = asdict(load_search(args.model))
     fields = {"beam_size": args.beam_size, "alpha": args.alpha, "length_penalty": args.length_penalty}
     fields = {**base, **{k: v for k, v in fields.items() if v is not None}}
-    if n_best > 1:  # an n-best list needs at least as many beams
-        fields["beam_size"] = max(n_best, fields["beam_size"])
-    return from_dict(SearchConfig, {**fields, "n_best": n_best}, where="search options")
+    return from_dict(SearchConfig, fields, where="search options").with_n_best(n_best)
 
 
 def load_translator(args: argparse.Namespace, search_config: SearchConfig):

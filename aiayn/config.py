@@ -207,6 +207,15 @@ class SearchConfig:
                 f"max_len_b={self.max_len_b}"
             )
 
+    def max_length(self, source_tokens: int) -> int:
+        """The most output tokens, EOS included, for a source of that many tokens, EOS included:
+        floor(max_len_a * source + max_len_b) (§6.1: input length + 50)."""
+        return math.floor(self.max_len_a * source_tokens + self.max_len_b)
+
+    def with_n_best(self, n_best: int) -> SearchConfig:
+        """This search returning n_best hypotheses a sentence: with at least as many beams."""
+        return dataclasses.replace(self, beam_size=max(self.beam_size, n_best), n_best=n_best)
+
     def describe(self) -> str:
         """How a figure was searched: "greedy", or "beam 4, alpha 0.6, gnmt penalty"."""
         if self.beam_size == 1:

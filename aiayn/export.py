@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -200,7 +199,7 @@ class CTranslate2Translator:
         limits = {}  # the maximum output length of each sentence (§6.1); only EOS: the empty output
         for i, x in enumerate(ids):
             if len(x) > 1:
-                limits[i] = math.floor(config.max_len_a * len(x) + config.max_len_b)
+                limits[i] = config.max_length(len(x))
         rows = self.config.max_positions
         for i, limit in limits.items():
             if max(len(ids[i]), limit) > rows:

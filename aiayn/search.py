@@ -161,7 +161,7 @@ def length_penalty(length: int | Tensor, alpha: float, kind: str = "gnmt") -> fl
 def max_lengths(src: Tensor, config: SearchConfig) -> Tensor:
     """(B,) most output tokens per sentence, EOS included: floor(a * source length + b) (§6.1)."""
     src_len = (src != PAD_ID).sum(dim=1).tolist()  # in Python floats: exact for any a and b
-    limit = [math.floor(config.max_len_a * n + config.max_len_b) for n in src_len]
+    limit = [config.max_length(n) for n in src_len]
     return torch.tensor(limit, dtype=torch.long, device=src.device)  # (B,)
 
 

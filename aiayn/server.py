@@ -594,8 +594,7 @@ def search_config(body: TranslateRequest, service: Service) -> SearchConfig:
     beam = body.beam_size or config.beam_size
     if beam > config.max_beam or body.n_best > config.max_beam:
         raise ApiError(422, "invalid_request", f"beam_size and n_best are at most {config.max_beam}")
-    beam = max(beam, body.n_best)  # an n-best list needs at least as many beams
-    return replace(service.translator.search_config, beam_size=beam, n_best=body.n_best)
+    return replace(service.translator.search_config, beam_size=beam).with_n_best(body.n_best)
 
 
 def check_text(text: str, service: Service, what: str) -> None:

@@ -173,9 +173,7 @@ class Translator:
 
     def translate_n_best(self, texts: list[str], n_best: int) -> list[list[tuple[str, float]]]:
         """n-best lists: for each input, (translation, score) best first."""
-        config = replace(
-            self.search_config, n_best=n_best, beam_size=max(n_best, self.search_config.beam_size)
-        )
+        config = self.search_config.with_n_best(n_best)
         hyps = self.translate_ids(self.tokenizer.encode_src(texts), config)
         return [
             list(zip(self.tokenizer.decode_tgt([h.tokens for h in group]), [h.score for h in group]))
