@@ -4,8 +4,9 @@ as a tensor, the batch padded to a fixed number of rows. Eager decoding (model.p
 Shapes: as model.py. R rows of the cache (B sentences x N hypotheses), B_max sentences it was made for,
 T_max target positions, S source positions, V vocabulary.
 
-Why: at one sentence a decoding step of a small model is about 140 PyTorch operator calls of 5-20 us
-each whatever their size; one compiled graph per row count runs the step as a few fused kernels.
+Why: at one sentence a decoding step of a small model is about 140 PyTorch operator calls, each with a
+fixed cost whatever its size; one compiled graph per row count runs the step as a few fused kernels
+(benchmarks/bench_translate.py measures both).
 Nothing in a step may change a shape or a Python value the graph depends on, or torch.compile traces
 it again (a recompilation), so:
 - every layer's self-attention keys/values live in (R, T_max, D) buffers written at a position held
@@ -73,7 +74,7 @@ class StaticLayerCache:
             return self.self_k, self.self_v, mask
         # A gather that inductor fuses into the attention's loops (no copy is made). `source` is (T_max, R):
         # with a (R, T_max) table, its loads outnumbered the values' and inductor vectorised the weighted sum
-        # of values over positions instead of features, a scalar load per value (4 rows: 84 us a step against 13).
+        # of values over positions instead of features, a scalar load per value (several times slower a step).
         R, T, D = self.self_k.shape
         where = self.source.t()  # (R, T_max) positions in the buffers seen as (R * T_max, D)
         return self.self_k.view(R * T, D)[where], self.self_v.view(R * T, D)[where], mask
@@ -179,12 +180,12 @@ class CompiledDecoder(Decoder):
     A batch of up to max_sentences sentences is padded up to a power of two (1, 2, 4, ... sentences), so
     that a file's last, shorter batch reuses a graph instead of compiling another. Larger batches decode
     eagerly: there the matrix products are big enough for the BLAS, and eager search drops finished
-    sentences while a fixed-shape step keeps computing their rows (measured on Multi30k with 4,096-token
-    batches: compiled greedy 0.45x eager).
+    sentences while a fixed-shape step keeps computing their rows (on Multi30k's validation file in
+    4,096-token batches, compiled greedy was slower than eager).
 
     With a store, the graphs are AOTInductor packages kept there (what `--compile` uses); without,
-    torch.compile compiles them in memory. The packages measured 1.03-1.67x faster in 15 of 16
-    benchmark cells (README, Speed), and a later process loads them in about a second.
+    torch.compile compiles them in memory. The packages run faster than graphs in memory in most of
+    benchmarks/bench_translate.py's cells, and a later process loads them in about a second.
     """
 
     def __init__(
@@ -344,10 +345,9 @@ class CompiledDecoder(Decoder):
         it, with freezing: the weights become constants, prepacked for the GEMMs (inductor reads that
         setting outside torch.compile's options, so it is set around the call). Later calls of a graph
         compiled in memory skip both what costs time on the way in: dynamo's guards (about 1,300 checks
-        that the model and inputs are still what the graph was traced for; skipping them took a decode
-        call of a `small` batch-1 greedy search from 0.79 to 0.57 ms), of which only those that have told
-        two graphs apart before are evaluated (skip_guard_eval_unsafe), and setting the option (0.03-0.13
-        ms more, in two measurements). That is safe here because a key's inputs differ only in the sizes
+        that the model and inputs are still what the graph was traced for, a large part of a batch-1
+        decode call of `small`), of which only those that have told two graphs apart before are evaluated
+        (skip_guard_eval_unsafe), and setting the option. That is safe here because a key's inputs differ only in the sizes
         marked dynamic, each at least 2 (0 and 1 would be graphs of their own), and a decoder's model does
         not change. A package has no guards at all: it checks only its inputs' shapes."""
         package = self._packages.get(key)
@@ -375,8 +375,8 @@ class CompiledDecoder(Decoder):
         """What every graph is traced and compiled under. On a CPU: F.scaled_dot_product_attention written
         out as its arithmetic (PyTorch's math backend: Q K^T scaled, masked, softmax, times V) instead of a
         call of the fused CPU kernel, which inductor cannot fuse into: each attention of a graph stayed a
-        call of it, with that kernel's own set-up (buffers, a parallel loop over batch x heads), 20-27 us
-        each at one sentence of `small`, six of them a decoding step. Written out, one query's attention
+        call of it, with that kernel's own set-up (buffers, a parallel loop over batch x heads), six of them
+        a decoding step, each costing more than its arithmetic at one sentence of `small`. Written out, one query's attention
         over a few dozen keys is a few small loops that inductor fuses with what surrounds them. Eager
         decoding keeps the fused kernel; on a GPU the graphs keep it too. (PyTorch's choice of backend is
         process-wide: while a graph is traced, eager attention in another thread runs the math one too.)"""
@@ -469,7 +469,7 @@ class _Package:
 
 def _tensors(args: tuple | list, out: list[Tensor]) -> list[Tensor]:
     """The tensors of args, nested in tuples and lists, in pytree's order (a package takes them flat; the
-    other leaves are constants of the graph). pytree.tree_leaves took 7 us for a step's arguments."""
+    other leaves are constants of the graph). Cheaper than pytree.tree_leaves, on every step's call."""
     for arg in args:
         if isinstance(arg, Tensor):
             out.append(arg)

@@ -158,9 +158,9 @@ class Dropout(nn.Module):
     """§5.4 residual dropout: in training, each element is zeroed with probability p and the others are
     scaled by 1 / (1 - p); in evaluation, the identity. `nn.Dropout`, except on the CPU.
 
-    PyTorch's CPU dropout draws its mask with `bernoulli_`, which cost 1.1 ms forward and backward on a
-    (1100, 128) activation, about a sixth of a low-resource training step on 2 cores. The same mask from
-    15 random bits an element costs 0.36 ms: `random_` fills int64s with 63 random bits, and each int64
+    PyTorch's CPU dropout draws its mask with `bernoulli_`, a sizeable part of a small model's training
+    step on a CPU (benchmarks/bench_train.py). The same mask from 15 random bits an element costs about
+    a third of that: `random_` fills int64s with 63 random bits, and each int64
     seen as four int16s, masked to their low 15 bits, gives four uniform numbers in [0, 32768). p is
     rounded to a multiple of 1/32768 there (0.1 -> 0.100006). Both draw from torch's default generator,
     so `torch.manual_seed` fixes the masks either way.

@@ -114,7 +114,7 @@ class Int8Linear(nn.Module):
     as bf16 (`_weight_int8pack_mm`, vectorised for AVX2 and AVX-512 only with bf16 activations). So do 2
     to 15 rows with VNNI (`_few_rows`: a decoding step of beam 4 at one sentence, or of a few sentences):
     from two rows on oneDNN packs the weight for `_int_mm` on every call, and inductor's GEMM template for
-    int8 weights at few rows ran a `small` beam-4 search at one sentence 1.21x faster; one row (a
+    int8 weights at few rows ran a `small` beam-4 search at one sentence faster (bench_translate.py); one row (a
     matrix-vector product in oneDNN) and 16 or more stay W8A8. Under torch.compile the quantisation of
     the activations fuses into one kernel.
     """
@@ -126,8 +126,7 @@ class Int8Linear(nn.Module):
         q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
         self.w8a8 = w8a8
         # the nn.Linear layout (N, K) for both kernels: _int_mm takes it as (K, N) column-major, W^T, which
-        # at one row it multiplies as a matrix-vector product 1.5-3x faster than a (K, N) row-major copy
-        # (oneDNN: 14 against 37 us for 256 -> 8,000, 2.6 against 8 us for 256 -> 256; Zen 5, 2 threads)
+        # at one row oneDNN multiplies as a matrix-vector product, faster than a (K, N) row-major copy
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("scale_bf16", scale.bfloat16())  # as _weight_int8pack_mm takes it
@@ -177,8 +176,8 @@ def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
 
     int8: a copy with every Linear layer an Int8Linear (int8 weights with a scale per output row; CPU).
     Otherwise the same model in eval mode with its Linear weights stored column-major on the CPU:
-    the same numbers, but x W^T then streams W^T row by row, which the CPU GEMM runs 1.3-2x faster at the
-    few rows of a decoding step (4-32 measured, about even at 128; README, Speed). safetensors refuses
+    the same numbers, but x W^T then streams W^T row by row, which the CPU GEMM runs faster at the few
+    rows of a decoding step, about even at 128. safetensors refuses
     such non-contiguous tensors, which is why this model is not the one to save.
     """
     device = next(model.parameters()).device

@@ -416,8 +416,8 @@ def top_k(x: Tensor, k: int, block: int = 64) -> tuple[Tensor, Tensor]:
     """The k largest of each x (B, N, V) over (N, V), best first: values (B, k) and positions n * V + v
     (among equal values, any): x.view(B, N * V).topk(k, dim=1), computed another way.
 
-    torch.topk runs a heap over every value of a row, a row a thread: 32 us for beam 4 over 8,000
-    tokens at one sentence, the largest part of a beam step's own work. Cut each of the N rows into
+    torch.topk runs a heap over every value of a row, a row a thread: at one sentence, the largest part
+    of a beam step's own work (benchmarks/bench_translate.py). Cut each of the N rows into
     blocks of `block`: no value outside the k blocks with the largest maxima can beat the k-th best
     inside them (those k maxima are k values at least as large as it), so the k best are among k x block
     values, found after a pass for the blocks' maxima, which vectorises.
@@ -425,7 +425,7 @@ def top_k(x: Tensor, k: int, block: int = 64) -> tuple[Tensor, Tensor]:
     B, N, V = x.shape
     per_row = torch.sym_max((V + block - 1) // block, (k + N - 1) // N)  # blocks a row: k at least in all
     # (B, N, blocks, block), each block within one row: compiled, the pass below vectorises (indexed through
-    # a (B, N x blocks, block) view, with V dynamic, inductor wrote a scalar loop: 3.5x slower)
+    # a (B, N x blocks, block) view, with V dynamic, inductor wrote a scalar loop, several times slower)
     x = F.pad(x, (0, per_row * block - V), value=-math.inf).view(B, N, per_row, block)  # V padded
     best = x.amax(dim=3).view(B, N * per_row).topk(k, dim=1).indices  # (B, k) blocks
     n, j = best // per_row, best % per_row  # (B, k) the row and the block in it

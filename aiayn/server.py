@@ -747,9 +747,9 @@ def serve(
             translator, config, engine=other, threads=threads, api_key=api_key, cors_origins=cors_origins,
             engine_name=engine,
         )  # fmt: skip
-        # Everything loaded so far (torch, the model, CTranslate2's converters: ~240k objects) lives as
-        # long as the server: out of the cyclic GC's sight, whose full collections over it paused the
-        # event loop for 120-160 ms under load (/health's worst case), now take ~1 ms.
+        # Everything loaded so far (torch, the model, CTranslate2's converters: a quarter of a million
+        # objects) lives as long as the server: out of the cyclic GC's sight, whose full collections over
+        # it paused the event loop under load (/health's worst latency in benchmarks/bench_serve.py).
         gc.collect()
         gc.freeze()
         settings = uvicorn.Config(
