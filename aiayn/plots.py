@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from matplotlib.figure import Figure  # drawn to files, never to a screen: no pyplot, no backend to choose
 
-from aiayn.config import SearchConfig
 from aiayn.files import atomic_write
-from aiayn.model import attention_maps
 from aiayn.tokenizer import BOS_ID
 from aiayn.translate import Translator
 
@@ -68,14 +65,10 @@ def plot_attention(translator: Translator, source: str, out_dir: str | Path, lay
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok, model = translator.tokenizer, translator.model
+    tok = translator.tokenizer
     src_ids = tok.encode_src([source])[0]
-    hyp = translator.translate_ids([src_ids], SearchConfig(beam_size=1))[0][0].tokens
+    hyp, maps = translator.attention(src_ids)
     tgt_in = [BOS_ID] + hyp
-    device = translator.device
-    maps = attention_maps(
-        model, torch.tensor([src_ids], device=device), torch.tensor([tgt_in], device=device)
-    )
     src_labels, tgt_labels = tok.labels(src_ids, "src"), tok.labels(tgt_in, "tgt")
     panels = {
         "encoder": ("Encoder self-attention", src_labels, src_labels),

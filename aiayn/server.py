@@ -49,7 +49,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aiayn.checkpoint import load_search
 from aiayn.config import SearchConfig, ServeConfig
-from aiayn.model import attention_maps
 from aiayn.precision import resolve_dtype
 from aiayn.search import Hypothesis
 from aiayn.tokenizer import BOS_ID
@@ -154,6 +153,7 @@ def model_failure(e: Exception, metrics: Metrics) -> ApiError:
 # --- The worker ----------------------------------------------------------------------------------------
 
 
+STOPPED = "the model worker stopped; see the server's log"
 STARTING = (
     "the model is compiling its decoding graphs (the server's console shows how far); try again shortly"
 )
@@ -184,7 +184,7 @@ class Worker:
     def submit(self, jobs: list[Line | Call]) -> None:
         """Queue all of a request's jobs, or none of them (503 when the queue would overflow)."""
         if not self.alive:
-            raise ApiError(503, "unavailable", "the model worker stopped; see the server's log")
+            raise ApiError(503, "unavailable", STOPPED)
         if not self.ready.is_set():
             raise ApiError(503, "starting", STARTING, {"Retry-After": "5"})
         with self.lock:
@@ -234,7 +234,7 @@ class Worker:
                 self.current = []
         finally:  # ended by a bug: no request may wait for a worker that is gone
             self.alive = False
-            error = ApiError(503, "unavailable", "the model worker stopped; see the server's log")
+            error = ApiError(503, "unavailable", STOPPED)
             for job in self.current:
                 job.pending.settle(error)
             self.fail_all(error)
@@ -493,7 +493,7 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         if not worker.alive:
-            raise ApiError(503, "unavailable", "the model worker stopped; see the server's log")
+            raise ApiError(503, "unavailable", STOPPED)
         if not worker.ready.is_set():
             raise ApiError(503, "starting", STARTING, {"Retry-After": "5"})
         if service.closing:
@@ -668,15 +668,8 @@ def translation_response(
 
 def attention(translator: Translator, ids: list[int]) -> dict[str, Any]:
     """Greedy translation of one sentence and the attention of every layer and head over it."""
-    tokens = translator.translate_ids([ids], replace(translator.search_config, beam_size=1, n_best=1))[0][
-        0
-    ].tokens
+    tokens, maps = translator.attention(ids)
     tgt_in = [BOS_ID, *tokens]
-    device = translator.device
-    with torch.inference_mode():
-        maps = attention_maps(
-            translator.model, torch.tensor([ids], device=device), torch.tensor([tgt_in], device=device)
-        )
     tokenizer = translator.tokenizer
     return {
         "source_tokens": tokenizer.labels(ids, "src"),

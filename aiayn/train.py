@@ -137,7 +137,7 @@ def train(
     device = device or default_device()
     configure(device)
     with run.checking():  # before anything is written
-        pairs, scaler = Pairs.of(data, cfg.max_len), grad_scaler(cfg, device)
+        pairs, scaler = TrainingPairs.of(data, cfg.max_len), grad_scaler(cfg, device)
         check_positions(model_config, cfg, data)
     torch.manual_seed(cfg.seed)
     model = Transformer(model_config).to(device)
@@ -327,7 +327,7 @@ def run_settings(
 
 
 @dataclass
-class Pairs:
+class TrainingPairs:
     """The prepared training pairs with at most max_len tokens on both sides (in every segmentation)."""
 
     sides: list[tuple[Ids, Ids]]  # (src, tgt) ids: the prepared ones, or the BPE-dropout views in turn
@@ -335,7 +335,7 @@ class Pairs:
     too_long: int
 
     @classmethod
-    def of(cls, data: Prepared, max_len: int) -> Pairs:
+    def of(cls, data: Prepared, max_len: int) -> TrainingPairs:
         sides = data.views or [(data.src, data.tgt)]
         fits = np.logical_and.reduce([(s.lengths <= max_len) & (t.lengths <= max_len) for s, t in sides])
         keep = np.flatnonzero(fits).astype(np.int32 if len(fits) < 2**31 else np.int64)

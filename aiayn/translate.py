@@ -13,11 +13,11 @@ from tqdm import tqdm
 from aiayn.checkpoint import load_model, load_search
 from aiayn.compiled import CompiledDecoder, default_store
 from aiayn.config import SearchConfig
-from aiayn.model import Transformer
+from aiayn.model import Transformer, attention_maps
 from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, default_device, for_inference
 from aiayn.search import Decoder, EagerDecoder, Hypothesis, max_lengths, search
 from aiayn.shortlist import Shortlist, Shortlisted, load_shortlist
-from aiayn.tokenizer import PAD_ID, Tokenizer
+from aiayn.tokenizer import BOS_ID, PAD_ID, Tokenizer
 
 
 class Translator:
@@ -82,6 +82,17 @@ class Translator:
         candidates = load_shortlist(directory, tokenizer) if shortlist else None
         model = for_inference(model, dtype)
         return cls(model, tokenizer, search_config, dtype, compile=compile, shortlist=candidates)
+
+    def attention(self, ids: list[int]) -> tuple[list[int], dict[str, list[torch.Tensor]]]:
+        """The greedy translation of one sentence of source ids (EOS-terminated) and the attention weights
+        of every layer over it, the decoder reading [BOS] + that translation: (tokens, maps) with maps as
+        model.attention_maps gives them, each (1, H, L, M) a layer."""
+        greedy = replace(self.search_config, beam_size=1, n_best=1)
+        tokens = self.translate_ids([ids], greedy)[0][0].tokens
+        tgt_in = [BOS_ID, *tokens]
+        with torch.inference_mode():
+            src, tgt = (torch.tensor([x], device=self.device) for x in (ids, tgt_in))
+            return tokens, attention_maps(self.model, src, tgt)
 
     @property
     def compiled(self) -> CompiledDecoder | None:

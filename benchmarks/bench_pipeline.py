@@ -96,13 +96,13 @@ def step_times(data_dir: Path, max_tokens: int, updates: int, reps: int) -> dict
     from aiayn.model import Transformer
     from aiayn.precision import configure
     from aiayn.prepare import open_prepared
-    from aiayn.train import Pairs, make_optimizer, train_step
+    from aiayn.train import TrainingPairs, make_optimizer, train_step
 
     device = torch.device("cuda")
     configure(device)
     data = open_prepared(data_dir)
     cfg = TrainConfig(max_tokens=max_tokens, dtype="bf16")
-    pairs = Pairs.of(data, cfg.max_len)
+    pairs = TrainingPairs.of(data, cfg.max_len)
     from aiayn.data import batch_plan
 
     plan = batch_plan(*pairs.lengths(), max_tokens, seed=cfg.seed, epoch=0)

@@ -3,6 +3,8 @@ on 2 cores), running the CLI in-process, and checking its one-line errors."""
 
 import contextlib
 import io
+import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +93,22 @@ class RecordingSGD(torch.optim.SGD):
     def step(self, closure=None):
         self.grads.append([p.grad.clone() for p in self.model.parameters()])
         return super().step(closure)
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def write_parallel(prefix: Path, src: list[str], tgt: list[str]) -> Path:
+    """PREFIX.en and PREFIX.xx, a line a sentence."""
+    for lang, lines in (("en", src), ("xx", tgt)):
+        write_lines(Path(f"{prefix}.{lang}"), lines)
+    return prefix
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

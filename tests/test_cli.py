@@ -13,18 +13,11 @@ import pytest
 import sacrebleu
 import safetensors.torch
 import torch
-from conftest import assert_one_line_error, run_cli, train_argv
+from conftest import assert_one_line_error, run_cli, train_argv, write_parallel
 
 from aiayn import checkpoint
 from aiayn.cli import main
 from aiayn.synthetic import generate
-
-
-def write_parallel(prefix, src: list[str], tgt: list[str]) -> str:
-    for lang, lines in (("en", src), ("xx", tgt)):
-        (prefix.parent / f"{prefix.name}.{lang}").write_text("".join(line + "\n" for line in lines))
-    return str(prefix)
-
 
 run = run_cli
 

@@ -16,16 +16,11 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli, write_lines
 
 from aiayn.synthetic import generate
 
 TRAIN = ["--src-lang", "en", "--tgt-lang", "xx", "--preset", "tiny", "--vocab-size", 300, "--max-updates", 2]
-
-
-def write_lines(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")

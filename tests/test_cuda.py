@@ -12,7 +12,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import pytest
 import sacrebleu
 import torch
 import torch.distributed as dist
-from conftest import RecordingSGD, run_cli, run_train, train_argv
+from conftest import RecordingSGD, free_port, run_cli, run_train, train_argv
 
 from aiayn import checkpoint
 from aiayn import train as train_module
@@ -431,12 +430,6 @@ def test_evaluate_on_the_device_scores_what_translate_writes_with_sacrebleu(
     assert (tmp_path / "hyp.txt").read_text().splitlines() == translated
     bleu = json.loads(stdout.splitlines()[-1])["bleu"]
     assert bleu == pytest.approx(sacrebleu.corpus_bleu(translated, [REFERENCES]).score, abs=1e-9)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(port: int, path: str, body: dict | None = None) -> dict:

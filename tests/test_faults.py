@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import assert_one_line_error, run_cli, run_train, train_argv
+from conftest import assert_one_line_error, run_cli, run_train, train_argv, write_parallel
 
 from aiayn import checkpoint
 from aiayn import train as train_module
@@ -32,12 +32,6 @@ from aiayn.tokenizer import EOS_ID, Tokenizer
 from aiayn.translate import Translator
 
 SRC, TGT = generate(330, seed=4)
-
-
-def write_parallel(prefix: Path, src: list[str], tgt: list[str]) -> Path:
-    for lang, lines in (("en", src), ("xx", tgt)):
-        Path(f"{prefix}.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return prefix
 
 
 def run(*argv) -> tuple[int, str, str]:

@@ -7,13 +7,13 @@ errors. Without the browser the tests skip, except under CI=true, where they fai
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
+from conftest import free_port
 
 from aiayn.config import SearchConfig
 from aiayn.translate import Translator
@@ -37,12 +37,6 @@ TEXTS = [
     "That tall woman carried my old books behind the river yesterday.",
     "Some happy children found this green key.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

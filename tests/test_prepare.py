@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli, train_argv
+from conftest import run_cli, train_argv, write_lines
 
 from aiayn import checkpoint
 from aiayn.data import clean_pairs, collate, read_parallel, split_valid
@@ -19,11 +19,6 @@ from aiayn.tokenizer import Tokenizer
 
 SRC, TGT = generate(400, seed=11)
 QUIET = dict(say=lambda line: None)
-
-
-def write_lines(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import pytest
 import safetensors.torch
 import torch
-from conftest import assert_one_line_error, run_cli, run_train, train_argv
+from conftest import assert_one_line_error, run_cli, run_train, train_argv, write_parallel
 
 from aiayn import checkpoint, plots
 from aiayn.config import TrainConfig, preset
@@ -29,12 +29,6 @@ from aiayn.tokenizer import Tokenizer
 from aiayn.translate import Translator
 
 SRC, TGT = generate(320, seed=7)
-
-
-def write_parallel(prefix: Path, src: list[str], tgt: list[str]) -> Path:
-    for lang, lines in (("en", src), ("xx", tgt)):
-        Path(f"{prefix}.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return prefix
 
 
 def tiny(prefix, out, *extra) -> list:

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import uvicorn
+from conftest import free_port
 from fastapi.testclient import TestClient
 
 from aiayn.compiled import CompiledDecoder
@@ -302,12 +303,6 @@ def test_a_compiled_server_compiles_before_it_says_ready_and_serves_the_eager_tr
 
 
 # --- A real server: a client that goes away, a shutdown with requests pending ---------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

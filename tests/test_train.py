@@ -530,7 +530,7 @@ def test_each_epoch_trains_on_its_bpe_dropout_view_and_a_resume_reaches_the_same
     )
     views = [([s.tolist() for s in src], [t.tolist() for t in tgt]) for src, tgt in prepared.views]
     max_len = sorted(len(s) for s in views[1][0])[len(views[1][0]) // 2]  # about half the pairs fit
-    pairs = train_module.Pairs.of(prepared, max_len)
+    pairs = train_module.TrainingPairs.of(prepared, max_len)
     fits = [
         i for i in range(len(prepared.src)) if all(len(v[k][i]) <= max_len for v in views for k in (0, 1))
     ]
