@@ -32,11 +32,11 @@ from aiayn.config import (
     recipe,
     split_overrides,
 )
-from aiayn.data import STDIN, input_path, read_lines
-from aiayn.distributed import env_rank
-from aiayn.evaluate import TOKENIZERS
+from aiayn.data.corpus import STDIN, input_path, read_lines
 from aiayn.files import check_replaceable, check_writable_dir, check_writable_file, write_output
+from aiayn.inference.evaluate import TOKENIZERS
 from aiayn.precision import DEFAULT_DTYPE, resolve_device, resolve_dtype
+from aiayn.training.distributed import env_rank
 
 
 def say(text: str) -> None:
@@ -68,10 +68,10 @@ def config_file(path: str | None) -> dict[str, Any]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from aiayn.distributed import Ranks
-    from aiayn.prepare import open_prepared
-    from aiayn.run import Run
-    from aiayn.train import train
+    from aiayn.data.prepare import open_prepared
+    from aiayn.training.distributed import Ranks
+    from aiayn.training.run import Run
+    from aiayn.training.train import train
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
@@ -147,7 +147,7 @@ def train_config(args: argparse.Namespace, preset_name: str, overrides: dict[str
 def training_data(args: argparse.Namespace, run, cfg: TrainConfig):
     """The prepared corpus to train on: --data as it is; else --train prepared into OUT/data (staged,
     moved into place when the run begins) or, on a resume, OUT/data once it is shown to be that data."""
-    from aiayn.prepare import check_same_input, open_prepared
+    from aiayn.data.prepare import check_same_input, open_prepared
 
     if args.data is not None:
         if args.train is not None:
@@ -185,7 +185,7 @@ def training_data(args: argparse.Namespace, run, cfg: TrainConfig):
 def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None, minutes: float = 0.0):
     """prepare_files of what --train, --valid, --valid-fraction and the tokenizer flags name, for a
     training run of this time budget (0: none, as `aiayn prepare` knows none)."""
-    from aiayn.prepare import prepare_files
+    from aiayn.data.prepare import prepare_files
 
     return prepare_files(
         dest,
@@ -206,7 +206,7 @@ def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None
 def tokenizer_options(args: argparse.Namespace, minutes: float = 0.0):
     """--vocab-size, --tokenizer, --separate-vocab, --tokenizer-sample, --bpe-dropout for a training run
     of this time budget (the recipe's BPE-dropout depends on it); refused now if they cannot work."""
-    from aiayn.prepare import TokenizerOptions
+    from aiayn.data.prepare import TokenizerOptions
     from aiayn.tokenizer import Tokenizer
 
     preset_name = getattr(args, "preset", None)
@@ -314,7 +314,7 @@ def search_config_from(args: argparse.Namespace, n_best: int = 1) -> SearchConfi
 
 
 def load_translator(args: argparse.Namespace, search_config: SearchConfig):
-    from aiayn.translate import Translator
+    from aiayn.inference.translate import Translator
 
     device = resolve_device(args.device)
     return Translator.load(
@@ -355,7 +355,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from aiayn.evaluate import evaluate
+    from aiayn.inference.evaluate import evaluate
 
     search_config = search_config_from(args)
     src, ref = input_path(args.src), input_path(args.ref)
@@ -380,7 +380,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_score(args: argparse.Namespace) -> None:
-    from aiayn.evaluate import score
+    from aiayn.inference.evaluate import score
 
     hyp, ref = input_path(args.hypotheses), input_path(args.references)
     if hyp == ref == STDIN:
@@ -412,10 +412,10 @@ def cmd_average(args: argparse.Namespace) -> None:
 
 
 def cmd_shortlist(args: argparse.Namespace) -> None:
-    from aiayn.prepare import open_prepared
-    from aiayn.run import DATA
-    from aiayn.shortlist import VMAP_FILE, Shortlist
+    from aiayn.data.prepare import open_prepared
+    from aiayn.inference.shortlist import VMAP_FILE, Shortlist
     from aiayn.tokenizer import Tokenizer
+    from aiayn.training.run import DATA
 
     data = open_prepared(args.data or Path(args.model) / DATA)
     tokenizer = Tokenizer.load(args.model)
@@ -438,9 +438,9 @@ def cmd_export(args: argparse.Namespace) -> None:
     extra = {"ctranslate2": "dev", "keras": "keras"}[args.format]
     try:  # each format needs an optional package
         if args.format == "keras":
-            from aiayn.keras_model import export_keras
+            from aiayn.interop.keras_model import export_keras
         else:
-            from aiayn.export import export_ctranslate2
+            from aiayn.interop.ctranslate2 import export_ctranslate2
     except ModuleNotFoundError as e:
         raise ValueError(
             f"--format {args.format} needs the {e.name} package: pip install 'aiayn[{extra}]'"
@@ -458,8 +458,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def cmd_plot(args: argparse.Namespace) -> None:
     from aiayn.checkpoint import load_model_config
-    from aiayn.plots import plot_attention, plot_curves
-    from aiayn.run import METRICS
+    from aiayn.inference.plots import plot_attention, plot_curves
+    from aiayn.training.run import METRICS
 
     search_config = replace(search_config_from(args), beam_size=1)  # the maps are of the greedy output
     if args.sentence is not None and not args.sentence.strip():
@@ -483,7 +483,7 @@ def cmd_plot(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from aiayn.checkpoint import load_model_config
     from aiayn.config import ServeConfig
-    from aiayn.server import serve
+    from aiayn.serving.server import serve
 
     load_model_config(args.model)  # a model directory, or a clear error before any work
     if not 0 < args.port < 65536:
@@ -507,7 +507,7 @@ SERVE_LIMITS = (
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from aiayn.demo import run_demo
+    from aiayn.training.demo import run_demo
 
     out = check_writable_dir(args.out)
     result = run_demo(out, minutes=args.minutes)

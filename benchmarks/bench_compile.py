@@ -34,10 +34,10 @@ def child(config: str, beam: int, batch: int, compile: bool, store: str | None) 
     from bench_train import aiayn_model
     from common import CONFIGS, NoEos, pad, random_sentences, set_threads
 
-    from aiayn.compiled import CompiledDecoder
     from aiayn.config import SearchConfig
+    from aiayn.inference.compiled import CompiledDecoder
+    from aiayn.inference.search import search
     from aiayn.precision import for_inference
-    from aiayn.search import search
 
     set_threads()
     shape = CONFIGS[config]

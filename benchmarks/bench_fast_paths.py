@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, set_threads  # noqa: E402
 
-from aiayn.shortlist import VMAP_FILE  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
+from aiayn.inference.shortlist import VMAP_FILE  # noqa: E402
+from aiayn.inference.translate import Translator  # noqa: E402
 
 PATHS = {  # name: Translator.load options
     "eager fp32": dict(dtype="fp32"),

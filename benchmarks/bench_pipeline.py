@@ -93,17 +93,17 @@ class Utilisation:
 def step_times(data_dir: Path, max_tokens: int, updates: int, reps: int) -> dict:
     """Seconds per update of `base` on the prepared corpus: the loop's data work included, or not."""
     from aiayn.config import TrainConfig, preset
+    from aiayn.data.prepare import open_prepared
     from aiayn.model import Transformer
     from aiayn.precision import configure
-    from aiayn.prepare import open_prepared
-    from aiayn.train import TrainingPairs, make_optimizer, train_step
+    from aiayn.training.train import TrainingPairs, make_optimizer, train_step
 
     device = torch.device("cuda")
     configure(device)
     data = open_prepared(data_dir)
     cfg = TrainConfig(max_tokens=max_tokens, dtype="bf16")
     pairs = TrainingPairs.of(data, cfg.max_len)
-    from aiayn.data import batch_plan
+    from aiayn.data.corpus import batch_plan
 
     plan = batch_plan(*pairs.lengths(), max_tokens, seed=cfg.seed, epoch=0)
     batches = [plan[i] for i in range(min(updates, len(plan)))]

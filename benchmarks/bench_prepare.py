@@ -28,7 +28,7 @@ MAX_TOKENS = 1024  # tokens per batch: the model's own memory stays small beside
 def write_corpus(work: Path, n: int) -> Path:
     prefix = work / f"corpus-{n}"
     if not Path(f"{prefix}.xx").is_file():
-        from aiayn.synthetic import generate
+        from aiayn.data.synthetic import generate
 
         src, tgt = [], []
         for start in range(0, n, 500_000):  # in blocks: the generator holds what it returns
@@ -67,10 +67,10 @@ def child(kind: str, prefix: str, out: str, updates: int) -> dict:
         import torch
 
         from aiayn.config import TrainConfig, preset
-        from aiayn.data import make_batches, read_parallel
+        from aiayn.data.corpus import make_batches, read_parallel
+        from aiayn.data.prepare import open_prepared
         from aiayn.model import Transformer
-        from aiayn.prepare import open_prepared
-        from aiayn.train import make_optimizer, train_step
+        from aiayn.training.train import make_optimizer, train_step
 
         src, tgt = read_parallel(prefix, "en", "xx")
         tokenizer = open_prepared(out).tokenizer  # the same vocabulary, not learned again
@@ -81,7 +81,7 @@ def child(kind: str, prefix: str, out: str, updates: int) -> dict:
         torch.manual_seed(1)
         model = Transformer(preset("small", vocab_size=tokenizer.src_vocab_size)).train()
         optimizer, cfg = make_optimizer(model, TrainConfig(dtype="fp32")), TrainConfig(dtype="fp32")
-        from aiayn.data import collate
+        from aiayn.data.corpus import collate
 
         for batch in batches[:updates]:
             train_step(model, optimizer, [list(collate(src_ids, tgt_ids, batch))], 1e-4, cfg)

@@ -25,8 +25,8 @@ from bench_train import aiayn_model  # noqa: E402
 from common import CONFIGS, EOS, NoEos, machine, peak_rss_mb, set_threads  # noqa: E402
 
 from aiayn.config import SearchConfig, TrainConfig  # noqa: E402
-from aiayn.search import search  # noqa: E402
-from aiayn.train import make_optimizer, train_step  # noqa: E402
+from aiayn.inference.search import search  # noqa: E402
+from aiayn.training.train import make_optimizer, train_step  # noqa: E402
 
 TOKENS = 4096
 

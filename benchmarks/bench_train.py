@@ -43,9 +43,9 @@ from common import (  # noqa: E402
 )
 
 from aiayn.config import ModelConfig, TrainConfig  # noqa: E402
-from aiayn.data import collate, make_batches  # noqa: E402
+from aiayn.data.corpus import collate, make_batches  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
-from aiayn.train import make_optimizer, train_step  # noqa: E402
+from aiayn.training.train import make_optimizer, train_step  # noqa: E402
 
 MAX_TOKENS = 4096
 CPU = torch.device("cpu")

@@ -60,10 +60,10 @@ from common import (  # noqa: E402
     steal_ticks,
 )
 
-from aiayn.compiled import CompiledDecoder  # noqa: E402
 from aiayn.config import SearchConfig  # noqa: E402
+from aiayn.inference.compiled import CompiledDecoder  # noqa: E402
+from aiayn.inference.search import search  # noqa: E402
 from aiayn.precision import autocast, configure, for_inference, resolve_device  # noqa: E402
-from aiayn.search import search  # noqa: E402
 
 NEW_TOKENS = 24
 
@@ -175,7 +175,7 @@ def ctranslate2_translator(shape: dict, dtype: str, workdir: Path, threads: int,
     """
     import ctranslate2
 
-    from aiayn.export import SpecConverter, ctranslate2_spec
+    from aiayn.interop.ctranslate2 import SpecConverter, ctranslate2_spec
 
     if device == "cuda" and ctranslate2.get_cuda_device_count() == 0:
         raise RuntimeError(

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from aiayn.inference.search import BeamLive, BeamStep, Decoder, GreedyStep, Seq2Seq, as_decoder
 from aiayn.precision import cpu_flags, cpu_info
-from aiayn.search import BeamLive, BeamStep, Decoder, GreedyStep, Seq2Seq, as_decoder
 
 PAD, BOS, EOS = 0, 1, 2
 

@@ -58,7 +58,7 @@ def write_data(work: Path) -> tuple[str, str]:
                 lines = gzip.open(MULTI30K / f"{split}.{lang}.gz", "rt", encoding="utf-8").read().split("\n")
                 (work / f"{split}.{lang}").write_text("\n".join(lines[:n]) + "\n", encoding="utf-8")
         return "de", "en"
-    from aiayn.synthetic import SRC_LANG, TGT_LANG, generate
+    from aiayn.data.synthetic import SRC_LANG, TGT_LANG, generate
 
     print("Multi30k not found: using the synthetic task", file=sys.stderr)
     src, tgt = generate(2200, seed=1)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from aiayn.cli import main
-from aiayn.prepare import MANIFEST, open_prepared, prepare_corpus
-from aiayn.run import Run
-from aiayn.train import Result, train
+from aiayn.data.prepare import MANIFEST, open_prepared, prepare_corpus
+from aiayn.training.run import Run
+from aiayn.training.train import Result, train
 
 torch.set_num_threads(1)
 
@@ -69,8 +69,8 @@ def served_model(tmp_path_factory):
     """A tiny model trained for 60 updates on the synthetic task (outputs end, and depend on the input):
     what the server and page tests serve."""
     from aiayn.config import TrainConfig, preset
-    from aiayn.data import Corpus
-    from aiayn.synthetic import generate
+    from aiayn.data.corpus import Corpus
+    from aiayn.data.synthetic import generate
     from aiayn.tokenizer import Tokenizer
 
     src, tgt = generate(400, seed=21)

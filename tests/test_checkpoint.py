@@ -13,10 +13,10 @@ import torch
 
 from aiayn import checkpoint
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig, preset
+from aiayn.data.synthetic import generate
+from aiayn.inference.translate import Translator
 from aiayn.model import Transformer
-from aiayn.synthetic import generate
 from aiayn.tokenizer import PAD_ID, Tokenizer
-from aiayn.translate import Translator
 
 SRC, TGT = generate(80, seed=1)
 

@@ -17,7 +17,7 @@ from conftest import assert_one_line_error, run_cli, train_argv, write_parallel
 
 from aiayn import checkpoint
 from aiayn.cli import main
-from aiayn.synthetic import generate
+from aiayn.data.synthetic import generate
 
 run = run_cli
 

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 from conftest import assert_one_line_error, run_cli, write_lines
 
-from aiayn.synthetic import generate
+from aiayn.data.synthetic import generate
 
 TRAIN = ["--src-lang", "en", "--tgt-lang", "xx", "--preset", "tiny", "--vocab-size", 300, "--max-updates", 2]
 

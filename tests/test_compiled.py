@@ -6,12 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from aiayn.compiled import TRACED_CODE, CompiledDecoder, fingerprint
 from aiayn.config import SearchConfig, preset
+from aiayn.inference.compiled import TRACED_CODE, CompiledDecoder, fingerprint
+from aiayn.inference.search import BeamLive, beam_candidates, greedy_candidates, search
+from aiayn.inference.shortlist import Shortlist, Shortlisted
 from aiayn.model import Transformer
 from aiayn.precision import for_inference
-from aiayn.search import BeamLive, beam_candidates, greedy_candidates, search
-from aiayn.shortlist import Shortlist, Shortlisted
 from aiayn.tokenizer import EOS_ID, PAD_ID
 
 V = 60
@@ -255,7 +255,7 @@ def test_a_package_is_named_for_the_weights_options_and_code_it_was_compiled_wit
     assert fingerprint(two_heads, options) != fingerprint(model, options)
     source = tmp_path / "search.py"  # the traced code, as a file of another version
     source.write_text("# one version\n")
-    monkeypatch.setattr("aiayn.compiled.TRACED_CODE", (*TRACED_CODE, str(source)))
+    monkeypatch.setattr("aiayn.inference.compiled.TRACED_CODE", (*TRACED_CODE, str(source)))
     before = fingerprint(model, options)
     source.write_text("# another version\n")
     assert fingerprint(model, options) != before

@@ -27,17 +27,17 @@ import torch.distributed as dist
 from conftest import RecordingSGD, free_port, run_cli, run_train, train_argv
 
 from aiayn import checkpoint
-from aiayn import train as train_module
-from aiayn.compiled import CompiledDecoder
 from aiayn.config import SearchConfig, TrainConfig, preset
-from aiayn.data import Corpus, collate
-from aiayn.distributed import Ranks
+from aiayn.data.corpus import Corpus, collate
+from aiayn.data.synthetic import generate
+from aiayn.inference.compiled import CompiledDecoder
+from aiayn.inference.translate import Translator
 from aiayn.model import Transformer, attention_maps
 from aiayn.precision import resolve_dtype
-from aiayn.synthetic import generate
 from aiayn.tokenizer import BOS_ID, Tokenizer
-from aiayn.train import Step, Stop, agree, dropout_seed, train_step
-from aiayn.translate import Translator
+from aiayn.training import train as train_module
+from aiayn.training.distributed import Ranks
+from aiayn.training.train import Step, Stop, agree, dropout_seed, train_step
 
 DEVICE_NAME = os.environ.get("AIAYN_TEST_DEVICE", "cuda")
 DEVICE = torch.device(DEVICE_NAME)

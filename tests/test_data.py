@@ -1,4 +1,4 @@
-"""Tests for aiayn/data.py: reading parallel text, cleaning, splitting and token-budget batching."""
+"""Tests for aiayn/data/corpus.py: reading parallel text, cleaning, splitting and token-budget batching."""
 
 import gzip
 import io
@@ -12,7 +12,7 @@ import datasets
 import pytest
 import torch
 
-from aiayn.data import (
+from aiayn.data.corpus import (
     clean_pairs,
     collate,
     filter_lengths,

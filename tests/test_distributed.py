@@ -24,11 +24,11 @@ from conftest import RecordingSGD
 
 from aiayn import checkpoint
 from aiayn.config import TrainConfig, preset
-from aiayn.data import collate
-from aiayn.distributed import Ranks
+from aiayn.data.corpus import collate
+from aiayn.data.synthetic import generate
 from aiayn.model import Transformer
-from aiayn.synthetic import generate
-from aiayn.train import Step, dropout_seed, train_step
+from aiayn.training.distributed import Ranks
+from aiayn.training.train import Step, dropout_seed, train_step
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -164,8 +164,8 @@ def weights(out: Path, step: int) -> bytes:
 
 def odd_epoch(out: Path) -> int:
     """Batches in the first epoch of the run in OUT (its prepared data, its max_tokens)."""
-    from aiayn.data import batch_plan
-    from aiayn.prepare import open_prepared
+    from aiayn.data.corpus import batch_plan
+    from aiayn.data.prepare import open_prepared
 
     data, cfg = open_prepared(out / "data"), json.loads((out / "train.json").read_text())
     return len(batch_plan(data.src.lengths, data.tgt.lengths, cfg["max_tokens"], seed=cfg["seed"], epoch=0))

@@ -1,4 +1,4 @@
-"""Tests for aiayn.evaluate: BLEU and chrF equal sacreBLEU's own on fixed strings (and BLEU a hand
+"""Tests for aiayn.inference.evaluate: BLEU and chrF equal sacreBLEU's own on fixed strings (and BLEU a hand
 computation), signatures name the tokenizer, and reading test sets keeps lines aligned."""
 
 import math
@@ -7,8 +7,8 @@ import re
 import pytest
 import sacrebleu
 
-from aiayn.data import read_lines
-from aiayn.evaluate import evaluate, score
+from aiayn.data.corpus import read_lines
+from aiayn.inference.evaluate import evaluate, score
 
 HYPS = [
     "The cat sat on the mat.",

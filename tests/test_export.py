@@ -1,4 +1,4 @@
-"""Tests for aiayn.export: a briefly trained model and its CTranslate2 export translate alike (greedy and
+"""Tests for aiayn.interop.ctranslate2: a briefly trained model and its CTranslate2 export translate alike (greedy and
 exact beam search token for token, beam with a length penalty equal or aiayn's better), per-token
 log-probabilities agree for pre-norm, separate vocabularies and learned positions, and the CLI."""
 
@@ -14,12 +14,12 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 from aiayn.checkpoint import save_model  # noqa: E402
 from aiayn.cli import main  # noqa: E402
 from aiayn.config import SearchConfig, TrainConfig, preset  # noqa: E402
-from aiayn.data import Corpus  # noqa: E402
-from aiayn.export import AIAYN_CONFIG, CTranslate2Translator, export_ctranslate2  # noqa: E402
+from aiayn.data.corpus import Corpus  # noqa: E402
+from aiayn.data.synthetic import generate  # noqa: E402
+from aiayn.inference.translate import Translator  # noqa: E402
+from aiayn.interop.ctranslate2 import AIAYN_CONFIG, CTranslate2Translator, export_ctranslate2  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
-from aiayn.synthetic import generate  # noqa: E402
 from aiayn.tokenizer import BOS_ID, Tokenizer  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
 
 # Reverse a sequence of made-up words: a tiny model learns enough of it in 150 updates that its outputs
 # depend on the input and end with EOS at varied lengths, so search has real choices to make.

@@ -23,13 +23,13 @@ import torch
 from conftest import assert_one_line_error, run_cli, run_train, train_argv, write_parallel
 
 from aiayn import checkpoint
-from aiayn import train as train_module
 from aiayn.config import SearchConfig, TrainConfig, preset
-from aiayn.data import Corpus
+from aiayn.data.corpus import Corpus
+from aiayn.data.synthetic import generate
+from aiayn.inference.translate import Translator
 from aiayn.model import Transformer
-from aiayn.synthetic import generate
 from aiayn.tokenizer import EOS_ID, Tokenizer
-from aiayn.translate import Translator
+from aiayn.training import train as train_module
 
 SRC, TGT = generate(330, seed=4)
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from aiayn.config import SearchConfig, preset
-from aiayn.data import read_parallel, read_tsv
+from aiayn.data.corpus import read_parallel, read_tsv
+from aiayn.data.synthetic import generate
+from aiayn.inference.translate import Translator
 from aiayn.model import Transformer
-from aiayn.synthetic import generate
 from aiayn.tokenizer import EOS_ID, Tokenizer
-from aiayn.translate import Translator
 
 SRC, TGT = generate(120, seed=6)
 

@@ -1,4 +1,4 @@
-"""Tests for aiayn.keras_model: on briefly trained tiny models, the Keras 3 functional model with aiayn's
+"""Tests for aiayn.interop.keras_model: on briefly trained tiny models, the Keras 3 functional model with aiayn's
 weights gives aiayn's logits (1e-4, fp32) for a padded batch under every architecture option, the same
 greedy translations token for token, the same logits from a .keras file loaded in a fresh process that
 never imports aiayn's PyTorch code, and a masked position never changes an output.
@@ -21,12 +21,12 @@ from conftest import assert_one_line_error, run_cli, run_train
 if importlib.util.find_spec("keras") is None:  # not importorskip: a broken Keras must fail, not skip
     pytest.skip("keras is not installed (pip install 'aiayn[keras]')", allow_module_level=True)
 
-from aiayn import keras_model  # noqa: E402  (first: it picks Keras's backend, torch unless KERAS_BACKEND says)
 from aiayn.checkpoint import load_model  # noqa: E402
 from aiayn.config import SearchConfig, TrainConfig, preset  # noqa: E402
-from aiayn.data import Corpus  # noqa: E402
+from aiayn.data.corpus import Corpus  # noqa: E402
+from aiayn.inference.search import greedy_search, max_lengths  # noqa: E402
+from aiayn.interop import keras_model  # noqa: E402  (first: it picks Keras's backend, torch unless KERAS_BACKEND says)
 from aiayn.model import sinusoids  # noqa: E402
-from aiayn.search import greedy_search, max_lengths  # noqa: E402
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer  # noqa: E402
 
 keras = keras_model.keras
@@ -164,7 +164,7 @@ def test_a_masked_position_never_changes_an_output(trained):
 
 def test_the_exported_file_loads_in_a_fresh_process(trained, tmp_path):
     """`aiayn export --format keras` writes a .keras file; a process that imports Keras and
-    aiayn.keras_model alone (none of aiayn's PyTorch code) loads it and gives aiayn's logits. Every
+    aiayn.interop.keras_model alone (none of aiayn's PyTorch code) loads it and gives aiayn's logits. Every
     option's file is loaded here; a fresh process (5 s) loads the paper's."""
     name, model_dir, ours, _ = trained
     out = tmp_path / "model.keras"
@@ -182,7 +182,7 @@ def test_the_exported_file_loads_in_a_fresh_process(trained, tmp_path):
     np.save(tmp_path / "tgt_in.npy", tgt_in.int().numpy())
     script = f"""
 import sys, numpy as np
-import aiayn.keras_model, keras
+import aiayn.interop.keras_model, keras
 model = keras.saving.load_model({str(out)!r})
 logits = model([np.load({str(tmp_path / "src.npy")!r}), np.load({str(tmp_path / "tgt_in.npy")!r})])
 np.save({str(tmp_path / "logits.npy")!r}, keras.ops.convert_to_numpy(logits))
@@ -193,7 +193,9 @@ print(keras.backend.backend(), *loaded)
     assert done.returncode == 0, done.stderr
     backend, *modules = done.stdout.split()
     assert backend == "torch"
-    assert not {"aiayn.model", "aiayn.train", "aiayn.checkpoint", "aiayn.search"} & set(modules), modules
+    assert not {"aiayn.model", "aiayn.training.train", "aiayn.checkpoint", "aiayn.inference.search"} & set(
+        modules
+    ), modules
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), expected, atol=1e-4, rtol=0)
 
 

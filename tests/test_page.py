@@ -16,7 +16,7 @@ import pytest
 from conftest import free_port
 
 from aiayn.config import SearchConfig
-from aiayn.translate import Translator
+from aiayn.inference.translate import Translator
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 if not (CHROMIUM and CHROMEDRIVER):

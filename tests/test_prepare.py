@@ -1,4 +1,4 @@
-"""Tests for aiayn.prepare: a corpus streamed through the tokenizer into memory-mapped files holds
+"""Tests for aiayn.data.prepare: a corpus streamed through the tokenizer into memory-mapped files holds
 exactly the tokenizer's ids of every kept pair, counts what it dropped, holds out what split_valid
 would, reads pipes, and trains bit for bit as the files it came from."""
 
@@ -12,9 +12,9 @@ import pytest
 from conftest import run_cli, train_argv, write_lines
 
 from aiayn import checkpoint
-from aiayn.data import clean_pairs, collate, read_parallel, split_valid
-from aiayn.prepare import MANIFEST, TokenizerOptions, collate_ids, open_prepared, prepare_files
-from aiayn.synthetic import generate
+from aiayn.data.corpus import clean_pairs, collate, read_parallel, split_valid
+from aiayn.data.prepare import MANIFEST, TokenizerOptions, collate_ids, open_prepared, prepare_files
+from aiayn.data.synthetic import generate
 from aiayn.tokenizer import Tokenizer
 
 SRC, TGT = generate(400, seed=11)

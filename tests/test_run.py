@@ -1,4 +1,4 @@
-"""The run directory (aiayn/run.py) and the ways work could be lost or be wrong.
+"""The run directory (aiayn/training/run.py) and the ways work could be lost or be wrong.
 
 Each test of a way to lose work failed on the code before the run directory had one owner (issue 10:
 checked by running this file against commit 56ea36a with its calls adapted to the old API); two more
@@ -18,15 +18,16 @@ import safetensors.torch
 import torch
 from conftest import assert_one_line_error, run_cli, run_train, train_argv, write_parallel
 
-from aiayn import checkpoint, plots
+from aiayn import checkpoint
 from aiayn.config import TrainConfig, preset
-from aiayn.data import Corpus
+from aiayn.data.corpus import Corpus
+from aiayn.data.prepare import prepare_corpus
+from aiayn.data.synthetic import generate
+from aiayn.inference import plots
+from aiayn.inference.translate import Translator
 from aiayn.model import Transformer
-from aiayn.prepare import prepare_corpus
-from aiayn.run import RUN_FILE, Progress, Run
-from aiayn.synthetic import generate
 from aiayn.tokenizer import Tokenizer
-from aiayn.translate import Translator
+from aiayn.training.run import RUN_FILE, Progress, Run
 
 SRC, TGT = generate(320, seed=7)
 

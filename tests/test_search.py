@@ -1,4 +1,4 @@
-"""Tests for aiayn.search: hand-worked beams on a scripted model, beam 1 == greedy, cached == naive
+"""Tests for aiayn.inference.search: hand-worked beams on a scripted model, beam 1 == greedy, cached == naive
 full-prefix search, batched == one at a time, maximum lengths, and dropping finished sentences."""
 
 import math
@@ -9,8 +9,16 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import SearchConfig, preset
+from aiayn.inference.search import (
+    Hypothesis,
+    beam_search,
+    greedy_search,
+    length_penalty,
+    max_lengths,
+    search,
+    top_k,
+)
 from aiayn.model import Memory, Transformer
-from aiayn.search import Hypothesis, beam_search, greedy_search, length_penalty, max_lengths, search, top_k
 
 PAD, BOS, E = 0, 1, 2  # E: end of sentence; 3, 4, 5 are ordinary tokens of the scripted model
 

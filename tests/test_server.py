@@ -17,12 +17,12 @@ import uvicorn
 from conftest import free_port
 from fastapi.testclient import TestClient
 
-from aiayn.compiled import CompiledDecoder
 from aiayn.config import SearchConfig, ServeConfig
+from aiayn.inference.compiled import CompiledDecoder
+from aiayn.inference.translate import Translator
 from aiayn.model import attention_maps
-from aiayn.server import STATIC, Call, create_app, listen
+from aiayn.serving.server import STATIC, Call, create_app, listen
 from aiayn.tokenizer import BOS_ID
-from aiayn.translate import Translator
 
 INPUTS = ["The small dogs see a red bird.", "A happy child found this key.", "My old horse likes the river."]
 
@@ -383,7 +383,7 @@ def test_a_bug_is_a_500_in_the_error_shape_and_a_dead_worker_a_503(translator, m
 
 def test_the_ctranslate2_engine_translates_and_attention_stays_with_torch(model_dir, translator, tmp_path):
     pytest.importorskip("ctranslate2")
-    from aiayn.export import CTranslate2Translator, export_ctranslate2
+    from aiayn.interop.ctranslate2 import CTranslate2Translator, export_ctranslate2
 
     export_ctranslate2(model_dir, tmp_path / "ct2")
     engine = CTranslate2Translator(tmp_path / "ct2", SearchConfig(beam_size=1), threads=1)

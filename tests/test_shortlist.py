@@ -10,9 +10,9 @@ import torch
 
 from aiayn.checkpoint import load_model
 from aiayn.config import SearchConfig, preset
+from aiayn.inference.search import search
+from aiayn.inference.shortlist import VMAP_FILE, Shortlist, Shortlisted
 from aiayn.model import Transformer
-from aiayn.search import search
-from aiayn.shortlist import VMAP_FILE, Shortlist, Shortlisted
 from aiayn.tokenizer import EOS_ID, Tokenizer
 from tests.conftest import assert_one_line_error, run_cli
 

@@ -1,12 +1,12 @@
-"""Tests for aiayn/synthetic.py: the demo task is seeded, reorders, agrees, and splits train/valid cleanly."""
+"""Tests for aiayn/data/synthetic.py: the demo task is seeded, reorders, agrees, and splits train/valid cleanly."""
 
 import dataclasses
 
 import pytest
 
-from aiayn import synthetic
-from aiayn.data import read_parallel
-from aiayn.synthetic import (
+from aiayn.data import synthetic
+from aiayn.data.corpus import read_parallel
+from aiayn.data.synthetic import (
     ADJECTIVES,
     ADVERBS,
     AGREEMENT,

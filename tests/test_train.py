@@ -1,4 +1,4 @@
-"""Tests for aiayn.train: label smoothing by hand, the §5.3 schedule from its formula, gradient
+"""Tests for aiayn.training.train: label smoothing by hand, the §5.3 schedule from its formula, gradient
 accumulation against one big batch, bit-identical resume, metrics and checkpoint pruning."""
 
 import json
@@ -10,15 +10,15 @@ import torch
 from conftest import run_train
 
 from aiayn import checkpoint
-from aiayn import train as train_module
 from aiayn.config import SearchConfig, TrainConfig, preset
-from aiayn.data import Corpus, collate, make_batches
+from aiayn.data.corpus import Corpus, collate, make_batches
+from aiayn.data.synthetic import generate
+from aiayn.inference.translate import Translator
 from aiayn.model import Transformer
-from aiayn.run import Run
-from aiayn.synthetic import generate
 from aiayn.tokenizer import PAD_ID, Tokenizer
-from aiayn.train import label_smoothed_loss, learning_rate, make_optimizer, rate
-from aiayn.translate import Translator
+from aiayn.training import train as train_module
+from aiayn.training.run import Run
+from aiayn.training.train import label_smoothed_loss, learning_rate, make_optimizer, rate
 
 CPU = torch.device("cpu")
 
@@ -521,7 +521,7 @@ def test_each_epoch_trains_on_its_bpe_dropout_view_and_a_resume_reaches_the_same
     """With BPE-dropout the epochs take the prepared views in turn (batches planned on that view's
     lengths); a pair is kept only if it fits max_len in every view; a run stopped in its second epoch
     and resumed ends with the weights of one that was not."""
-    from aiayn.prepare import TokenizerOptions, prepare_corpus
+    from aiayn.data.prepare import TokenizerOptions, prepare_corpus
 
     tokenizer, corpus = data
     options = TokenizerOptions(bpe_dropout=0.3, views=2)

@@ -1,15 +1,15 @@
-"""Tests for aiayn.translate: one output per input in order, empty lines, batching invariance, greedy
+"""Tests for aiayn.inference.translate: one output per input in order, empty lines, batching invariance, greedy
 output against a naive full-prefix decoder written here, n-best lists, and vocabulary checks."""
 
 import pytest
 import torch
 
 from aiayn.config import SearchConfig, preset
+from aiayn.data.synthetic import generate
+from aiayn.inference.translate import Translator
 from aiayn.model import Transformer
 from aiayn.precision import Int8Linear, for_inference
-from aiayn.synthetic import generate
 from aiayn.tokenizer import BOS_ID, EOS_ID, Tokenizer
-from aiayn.translate import Translator
 
 SRC, TGT = generate(120, seed=2)
 # Long and short sentences mixed, an empty line among them (the order is not sorted by length).

@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 from aiayn import checkpoint
 from aiayn.config import TrainConfig, save_json
+from aiayn.data.prepare import Prepared
 from aiayn.files import TMP_SUFFIX, atomic_write, check_writable_dir, remove_temporaries
 from aiayn.model import Transformer
-from aiayn.prepare import Prepared
 from aiayn.tokenizer import JOINT_FILE, SRC_FILE, TGT_FILE, Tokenizer
 
 RUN_FILE, METRICS, TENSORBOARD, DATA = "run.json", "metrics.jsonl", "tensorboard", "data"

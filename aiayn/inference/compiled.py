@@ -41,9 +41,9 @@ from torch import Tensor
 from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from aiayn.inference.search import BeamLive, BeamStep, Decoder, GreedyStep, beam_candidates, greedy_candidates
 from aiayn.model import DecoderCache, Memory, Transformer
 from aiayn.precision import Int8Linear, cpu_flags, cpu_info
-from aiayn.search import BeamLive, BeamStep, Decoder, GreedyStep, beam_candidates, greedy_candidates
 from aiayn.tokenizer import PAD_ID
 
 
@@ -501,7 +501,7 @@ def default_store() -> Path | None:
 
 # The source files the graphs are traced from: a package compiled from other code (an older aiayn, or
 # one edited in place) must never be loaded, whatever the weights.
-TRACED_CODE = ("model.py", "precision.py", "search.py", "compiled.py")
+TRACED_CODE = ("model.py", "precision.py", "inference/search.py", "inference/compiled.py")  # under aiayn/
 
 
 def fingerprint(model: Transformer, options: dict) -> str:
@@ -510,7 +510,7 @@ def fingerprint(model: Transformer, options: dict) -> str:
     options, PyTorch's version and the processor (kernels are compiled for its instructions)."""
     digest = hashlib.blake2b(digest_size=12)
     for name in TRACED_CODE:
-        digest.update((Path(__file__).parent / name).read_bytes())
+        digest.update((Path(__file__).parents[1] / name).read_bytes())
     digest.update(repr(model.config).encode())
     modules = [
         (name, type(m).__name__, m.w8a8 if isinstance(m, Int8Linear) else None)

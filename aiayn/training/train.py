@@ -25,15 +25,15 @@ from aiayn.checkpoint import (
     load_state_dict_tied,
 )
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig
-from aiayn.data import batch_plan, collate, filter_lengths, make_batches
-from aiayn.distributed import ONE, Ranks
-from aiayn.evaluate import evaluate, score
+from aiayn.data.corpus import batch_plan, collate, filter_lengths, make_batches
+from aiayn.data.prepare import Ids, Prepared, collate_ids
+from aiayn.inference.evaluate import evaluate, score
+from aiayn.inference.translate import Translator
 from aiayn.model import Transformer
 from aiayn.precision import autocast, configure, default_device, resolve_dtype
-from aiayn.prepare import Ids, Prepared, collate_ids
-from aiayn.run import Progress, Run
 from aiayn.tokenizer import PAD_ID
-from aiayn.translate import Translator
+from aiayn.training.distributed import ONE, Ranks
+from aiayn.training.run import Progress, Run
 
 # --- §5.4 Label smoothing ---------------------------------------------------------------------------
 

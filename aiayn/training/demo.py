@@ -6,14 +6,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aiayn import synthetic
 from aiayn.config import TrainConfig, preset
-from aiayn.data import Corpus, read_parallel
-from aiayn.plots import plot_attention, plot_curves
-from aiayn.prepare import MANIFEST, TokenizerOptions, open_prepared, prepare_corpus
-from aiayn.run import Run
-from aiayn.train import train
-from aiayn.translate import Translator
+from aiayn.data import synthetic
+from aiayn.data.corpus import Corpus, read_parallel
+from aiayn.data.prepare import MANIFEST, TokenizerOptions, open_prepared, prepare_corpus
+from aiayn.inference.plots import plot_attention, plot_curves
+from aiayn.inference.translate import Translator
+from aiayn.training.run import Run
+from aiayn.training.train import train
 
 EXAMPLES = (  # not in the generated training data
     "The small dogs see a red bird.",

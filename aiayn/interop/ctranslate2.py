@@ -15,9 +15,9 @@ from tqdm import tqdm
 from aiayn.checkpoint import load_model, read_model_config
 from aiayn.config import SearchConfig, save_json
 from aiayn.files import check_replaceable, staged_dir
+from aiayn.inference.search import Hypothesis, length_penalty
+from aiayn.inference.shortlist import VMAP_FILE
 from aiayn.model import CrossAttention, FeedForward, SelfAttention, Transformer
-from aiayn.search import Hypothesis, length_penalty
-from aiayn.shortlist import VMAP_FILE
 from aiayn.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, UNK_ID, Tokenizer
 
 AIAYN_CONFIG = "aiayn_config.json"  # our ModelConfig; CTranslate2 writes its own config.json beside it

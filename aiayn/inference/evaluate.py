@@ -6,7 +6,7 @@ from typing import Any
 
 import sacrebleu
 
-from aiayn.translate import Translator
+from aiayn.inference.translate import Translator
 
 # sacreBLEU's BLEU tokenizers that need no extra package and no download (ja-mecab, ko-mecab and the
 # spm/flores ones do): what --tokenize offers.

@@ -11,12 +11,12 @@ import torch
 from tqdm import tqdm
 
 from aiayn.checkpoint import load_model, load_search
-from aiayn.compiled import CompiledDecoder, default_store
 from aiayn.config import SearchConfig
+from aiayn.inference.compiled import CompiledDecoder, default_store
+from aiayn.inference.search import Decoder, EagerDecoder, Hypothesis, max_lengths, search
+from aiayn.inference.shortlist import Shortlist, Shortlisted, load_shortlist
 from aiayn.model import Transformer, attention_maps
 from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, default_device, for_inference
-from aiayn.search import Decoder, EagerDecoder, Hypothesis, max_lengths, search
-from aiayn.shortlist import Shortlist, Shortlisted, load_shortlist
 from aiayn.tokenizer import BOS_ID, PAD_ID, Tokenizer
 
 

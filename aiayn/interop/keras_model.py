@@ -6,10 +6,10 @@ attention, sinusoids and masks. Layer and weight names are model.py's, so the tw
 
     aiayn export MODEL_DIR --format keras --out model.keras      # aiayn's weights in a .keras file
 
-    import aiayn.keras_model                                     # registers these layers with Keras
+    import aiayn.interop.keras_model                                     # registers these layers with Keras
     model = keras.saving.load_model("model.keras")               # inputs src (B, S), tgt_in (B, T) ids
     logits = model([src, tgt_in])                                # (B, T, V)
-    ids = aiayn.keras_model.greedy_translate(model, [[45, 9, 2]], max_len=60)
+    ids = aiayn.interop.keras_model.greedy_translate(model, [[45, 9, 2]], max_len=60)
 
 Nothing here imports torch or the rest of aiayn (only the exporter at the bottom does, when called), so
 the layers load on any Keras backend. Keras picks its backend from KERAS_BACKEND; when it is unset this

@@ -8,8 +8,8 @@ from pathlib import Path
 from matplotlib.figure import Figure  # drawn to files, never to a screen: no pyplot, no backend to choose
 
 from aiayn.files import atomic_write
+from aiayn.inference.translate import Translator
 from aiayn.tokenizer import BOS_ID
-from aiayn.translate import Translator
 
 
 def plot_curves(metrics: str | Path, out: str | Path) -> Path:

@@ -49,10 +49,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aiayn.checkpoint import load_search
 from aiayn.config import SearchConfig, ServeConfig
+from aiayn.inference.search import Hypothesis
+from aiayn.inference.translate import Translator
 from aiayn.precision import resolve_dtype
-from aiayn.search import Hypothesis
 from aiayn.tokenizer import BOS_ID
-from aiayn.translate import Translator
 
 STATIC = Path(__file__).parent / "static"
 SECURITY_HEADERS = MappingProxyType(
@@ -63,7 +63,7 @@ SECURITY_HEADERS = MappingProxyType(
         "Referrer-Policy": "no-referrer",
     }
 )
-log = logging.getLogger("aiayn.server")
+log = logging.getLogger("aiayn.serving.server")
 
 
 class ApiError(Exception):
@@ -724,7 +724,7 @@ def serve(
         other = None
         if engine == "ctranslate2":  # the exported model translates; attention stays with PyTorch
             try:
-                from aiayn.export import CTranslate2Translator, export_ctranslate2
+                from aiayn.interop.ctranslate2 import CTranslate2Translator, export_ctranslate2
             except ImportError:
                 raise ValueError(
                     "--engine ctranslate2 needs the ctranslate2 package: pip install ctranslate2"

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from aiayn.files import write_text
+from aiayn.inference.search import BeamLive, BeamStep, Decoder, GreedyStep, Seq2Seq, as_decoder
 from aiayn.model import DecoderCache, Memory
-from aiayn.search import BeamLive, BeamStep, Decoder, GreedyStep, Seq2Seq, as_decoder
 from aiayn.tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, Tokenizer
 
 VMAP_FILE = "vmap.txt"

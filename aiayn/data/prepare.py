@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from aiayn.config import preset_for_corpus, recipe
-from aiayn.data import (
+from aiayn.data.corpus import (
     Corpus,
     Errors,
     TextDigest,

@@ -1,0 +1,1 @@
+"""Corpora: reading, cleaning and batching text, prepared (memory-mapped) corpora, the demo's synthetic task."""

@@ -1,0 +1,1 @@
+"""Translating: search over token ids, the translator, compiled decoding, the shortlist, sacreBLEU, pictures."""

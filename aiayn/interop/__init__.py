@@ -1,0 +1,1 @@
+"""Other runtimes: CTranslate2 and Keras 3."""

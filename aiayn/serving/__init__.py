@@ -1,0 +1,1 @@
+"""The HTTP API with cross-request batching, and its page."""
