@@ -21,7 +21,9 @@ from aiayn.config import SearchConfig, ServeConfig
 from aiayn.inference.compiled import CompiledDecoder
 from aiayn.inference.translate import Translator
 from aiayn.model import attention_maps
-from aiayn.serving.server import STATIC, Call, create_app, listen
+from aiayn.serving.app import STATIC, create_app
+from aiayn.serving.server import listen
+from aiayn.serving.worker import Call
 from aiayn.tokenizer import BOS_ID
 
 INPUTS = ["The small dogs see a red bird.", "A happy child found this key.", "My old horse likes the river."]

@@ -1,0 +1,295 @@
+"""The one thread that calls the model in `aiayn serve`, and what it works on: requests cut into lines,
+batched across requests up to a token budget and a line count (waiting a few milliseconds when the
+queue is short), other model calls (attention) in turn, a bounded queue, and the server's metrics. A line
+whose client has gone or whose deadline has passed is dropped untranslated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from aiayn.config import SearchConfig, ServeConfig
+from aiayn.inference.search import Hypothesis
+
+log = logging.getLogger("aiayn.serving")
+
+
+class ApiError(Exception):
+    """An answer other than 200: its status, machine-readable type and message."""
+
+    def __init__(self, status: int, kind: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.message, self.headers = status, kind, message, headers or {}
+
+
+@dataclass
+class Pending:
+    """One /translate request in the worker's hands: its lines' hypotheses as they come."""
+
+    lines: int
+    deadline: float  # time.monotonic()
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    results: dict[int, list[Hypothesis]] = field(default_factory=dict)
+    batch_size: int = 0  # the largest batch one of its lines rode in
+    gone: bool = False  # the client disconnected
+
+    def settle(self, outcome: Any) -> None:
+        """Hand a result (or an ApiError) to the waiting request, from any thread, once."""
+
+        def set_it() -> None:
+            if not self.done.done():
+                if isinstance(outcome, BaseException):
+                    self.done.set_exception(outcome)
+                else:
+                    self.done.set_result(outcome)
+
+        self.loop.call_soon_threadsafe(set_it)
+
+
+@dataclass
+class Line:
+    """One line to translate: the worker's unit of batching."""
+
+    ids: list[int]  # source ids, EOS-terminated
+    search: SearchConfig
+    pending: Pending
+    index: int  # which line of the request
+    queued: float  # time.monotonic() when it was queued
+
+
+@dataclass
+class Call:
+    """Any other model call (attention): run by the worker in its turn."""
+
+    run: Callable[[], Any]
+    pending: Pending
+
+
+STOP = object()
+# What a model call may raise that is not a bug of the server: an input it cannot take (ValueError),
+# or the machine (out of memory, a CUDA error: RuntimeError).
+MODEL_FAILURES = (ValueError, RuntimeError)
+
+
+def model_failure(e: Exception, metrics: Metrics) -> ApiError:
+    if isinstance(e, ValueError):
+        metrics.failures.labels("invalid_request").inc()
+        return ApiError(422, "invalid_request", str(e))
+    log.error("model call failed: %s", e)
+    metrics.failures.labels("internal").inc()
+    return ApiError(500, "internal", f"the model call failed ({type(e).__name__})")
+
+
+# --- The worker ----------------------------------------------------------------------------------------
+
+
+STOPPED = "the model worker stopped; see the server's log"
+STARTING = (
+    "the model is compiling its decoding graphs (the server's console shows how far); try again shortly"
+)
+
+
+class Worker:
+    """The one thread that calls the model: lines batched across requests, and other calls in turn."""
+
+    def __init__(self, translate: Callable[[list[list[int]], SearchConfig], list[list[Hypothesis]]],
+                 config: ServeConfig, metrics: Metrics, threads: int | None,
+                 warm_up: Callable[[], None] | None = None):  # fmt: skip
+        self.translate, self.config, self.metrics, self.threads = translate, config, metrics, threads
+        self.warm_up = warm_up  # what runs before the first job: compiling the decoding graphs
+        self.ready = threading.Event()  # set once warm_up is done: /health says ok, jobs are taken
+        self.queue: queue.Queue = queue.Queue()
+        self.waiting = 0  # lines queued and not yet taken: what the queue limit counts
+        self.lock = threading.Lock()
+        self.backlog: deque = deque()  # taken from the queue but left for the next batch
+        self.thread = threading.Thread(target=self.run, name="aiayn-model", daemon=True)
+        self.alive = True
+        self.current: list[Line | Call] = []  # what the worker has in hand
+
+    def start(self) -> None:
+        if self.warm_up is None:  # ready at once: no request can find it starting
+            self.ready.set()
+        self.thread.start()
+
+    def submit(self, jobs: list[Line | Call]) -> None:
+        """Queue all of a request's jobs, or none of them (503 when the queue would overflow)."""
+        if not self.alive:
+            raise ApiError(503, "unavailable", STOPPED)
+        if not self.ready.is_set():
+            raise ApiError(503, "starting", STARTING, {"Retry-After": "5"})
+        with self.lock:
+            if self.waiting + len(jobs) > self.config.max_queue:
+                self.metrics.failures.labels("overload").inc()
+                raise ApiError(
+                    503, "overloaded", f"{self.waiting} lines are waiting (the limit is {self.config.max_queue})",
+                    {"Retry-After": "1"},
+                )  # fmt: skip
+            self.waiting += len(jobs)
+            self.metrics.queue.set(self.waiting)
+        for job in jobs:
+            self.queue.put(job)
+
+    def stop(self, timeout: float) -> None:
+        """Answer what is queued, then end; what is still not answered after `timeout` gets 503."""
+        self.queue.put(STOP)
+        self.thread.join(timeout)
+
+    def take(self, block: bool, timeout: float | None = None) -> Any:
+        if self.backlog:
+            return self.backlog.popleft()
+        job = self.queue.get(block, timeout)
+        if isinstance(job, (Line, Call)):
+            with self.lock:
+                self.waiting -= 1
+                self.metrics.queue.set(self.waiting)
+        return job
+
+    def run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            if self.warm_up is not None:
+                self.warm_up()
+            self.ready.set()
+            while True:
+                job = self.take(block=True)
+                if job is STOP:
+                    self.drain()
+                    return
+                self.current = [job] if isinstance(job, Call) else self.gather(job)
+                if isinstance(job, Call):
+                    self.call(job)
+                else:
+                    self.translate_batch(self.current)
+                self.current = []
+        finally:  # ended by a bug: no request may wait for a worker that is gone
+            self.alive = False
+            error = ApiError(503, "unavailable", STOPPED)
+            for job in self.current:
+                job.pending.settle(error)
+            self.fail_all(error)
+
+    def fail_all(self, error: ApiError) -> None:
+        while True:
+            try:
+                job = self.take(block=False)
+            except queue.Empty:
+                return
+            if isinstance(job, (Line, Call)):
+                job.pending.settle(error)
+
+    def gather(self, first: Line) -> list[Line]:
+        """Lines for one batch: the first and what is waiting, within the token budget, the line count
+        and the number of requests, waiting up to batch_wait_ms for more while the batch is small."""
+        config = self.config
+        batch, requests = [first], {id(first.pending)}
+        tokens = len(first.ids) * first.search.beam_size
+        until = time.monotonic() + config.batch_wait_ms / 1000
+        while len(batch) < config.batch_sentences:
+            try:
+                job = self.take(block=True, timeout=max(0.0, until - time.monotonic()))
+            except queue.Empty:
+                break
+            if not isinstance(job, Line):  # a call or STOP: after this batch
+                self.backlog.appendleft(job)
+                break
+            cost = len(job.ids) * job.search.beam_size
+            new_request = id(job.pending) not in requests
+            if tokens + cost > config.batch_tokens or (
+                new_request and config.max_batch_requests and len(requests) >= config.max_batch_requests
+            ):
+                self.backlog.appendleft(job)
+                break
+            batch.append(job)
+            requests.add(id(job.pending))
+            tokens += cost
+        return batch
+
+    def translate_batch(self, batch: list[Line]) -> None:
+        now = time.monotonic()
+        live = []
+        for line in batch:  # a client that has gone, or a deadline passed: not translated
+            if line.pending.gone:
+                self.metrics.failures.labels("disconnected").inc()
+            elif now > line.pending.deadline:
+                line.pending.settle(
+                    ApiError(503, "timeout", "the request timed out before it was translated")
+                )
+            else:
+                live.append(line)
+                self.metrics.queue_seconds.observe(now - line.queued)
+        if not live:
+            return
+        self.metrics.batch_sentences.observe(len(live))
+        by_search: dict[SearchConfig, list[Line]] = {}
+        for line in live:
+            by_search.setdefault(line.search, []).append(line)
+        try:
+            for search, lines in by_search.items():
+                for line, hyps in zip(lines, self.translate([line.ids for line in lines], search)):
+                    line.pending.results[line.index] = hyps
+        except MODEL_FAILURES as e:
+            for line in live:
+                line.pending.settle(model_failure(e, self.metrics))
+            return
+        for line in live:
+            pending = line.pending
+            pending.batch_size = max(pending.batch_size, len(live))
+            if len(pending.results) == pending.lines:
+                pending.settle(pending.results)
+
+    def call(self, job: Call) -> None:
+        if job.pending.gone:
+            return
+        try:
+            result = job.run()
+        except MODEL_FAILURES as e:
+            job.pending.settle(model_failure(e, self.metrics))
+        else:
+            job.pending.settle(result)
+
+    def drain(self) -> None:
+        """At shutdown: answer everything still queued."""
+        while True:
+            try:
+                job = self.take(block=False)
+            except queue.Empty:
+                return
+            if isinstance(job, Call):
+                self.call(job)
+            elif isinstance(job, Line):
+                self.translate_batch(self.gather(job))
+
+
+# --- Metrics ---------------------------------------------------------------------------------------
+
+
+class Metrics:
+    """Prometheus metrics of one app, in a registry of its own (never labelled by client address)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("aiayn_requests", "HTTP requests", ["endpoint", "code"], registry=r)
+        self.latency = Histogram("aiayn_request_seconds", "Request latency", ["endpoint"], registry=r)
+        self.queue_seconds = Histogram("aiayn_queue_seconds", "Time a line waited for its batch", registry=r)
+        buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+        self.batch_sentences = Histogram(
+            "aiayn_batch_lines", "Lines translated in one batch", buckets=buckets, registry=r
+        )
+        self.failures = Counter(
+            "aiayn_failures", "Requests not answered 200, by reason", ["reason"], registry=r
+        )
+        self.queue = Gauge("aiayn_queue_lines", "Lines waiting to be translated", registry=r)
