@@ -13,7 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+import typing
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from aiayn.config import (
     PRESETS,
     ModelConfig,
     SearchConfig,
+    ServeConfig,
     TrainConfig,
     from_dict,
     parse_overrides,
@@ -35,7 +37,7 @@ from aiayn.config import (
 from aiayn.data.corpus import STDIN, input_path, read_lines
 from aiayn.files import check_replaceable, check_writable_dir, check_writable_file, write_output
 from aiayn.inference.evaluate import TOKENIZERS
-from aiayn.precision import DEFAULT_DTYPE, resolve_device, resolve_dtype
+from aiayn.precision import DEFAULT_DTYPE, Dtype, resolve_device, resolve_dtype
 from aiayn.training.distributed import env_rank
 
 
@@ -482,7 +484,6 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from aiayn.checkpoint import load_model_config
-    from aiayn.config import ServeConfig
     from aiayn.serving.server import serve
 
     load_model_config(args.model)  # a model directory, or a clear error before any work
@@ -490,7 +491,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
-    limits = {name: getattr(args, name) for name in SERVE_LIMITS if getattr(args, name) is not None}
+    limits = {f.name: getattr(args, f.name) for f in fields(ServeConfig) if getattr(args, f.name) is not None}
     config = from_dict(ServeConfig, limits, where="serve options")
     resolve_dtype(args.dtype, resolve_device(args.device))
     serve(
@@ -498,12 +499,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
         engine=args.engine, api_key=args.api_key, cors_origins=tuple(args.cors_origin), compile=args.compile,
         shortlist=args.shortlist,
     )  # fmt: skip
-
-
-SERVE_LIMITS = (
-    "beam_size", "max_body_bytes", "max_texts", "max_chars", "max_tokens", "max_beam", "max_queue", "timeout_s",
-    "batch_tokens", "batch_sentences", "batch_wait_ms", "max_batch_requests",
-)  # fmt: skip
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -524,6 +519,28 @@ def scoring_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenize", choices=TOKENIZERS, default="13a", help="sacreBLEU's BLEU tokenizer (-tok)")
 
 
+def config_flags(p: argparse.ArgumentParser, config: type) -> None:
+    """A flag for each field of a config dataclass, its type and help from the field (config.py says
+    each once); unset flags stay None, so the config's own default applies."""
+    hints = typing.get_type_hints(config)
+    for f in fields(config):
+        default = f.default
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=hints[f.name],
+            help=f"{f.metadata['help']} (default {default})",
+        )
+
+
+def dtype_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=typing.get_args(Dtype),
+        default=DEFAULT_DTYPE,
+        help="auto (default): bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU; fp16: CUDA",
+    )
+
+
 def encoding_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--encoding-errors",
@@ -542,12 +559,7 @@ def search_flags(p: argparse.ArgumentParser) -> None:
         choices=["gnmt", "average"],
         help="gnmt (paper) or average (fairseq/HF); default: the model's, else gnmt",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "fp32", "bf16", "fp16", "int8"],
-        default=DEFAULT_DTYPE,
-        help="auto (default): bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU; fp16: CUDA",
-    )
+    dtype_flag(p)
     compile_flag(p)
     device_flag(p)
 
@@ -658,12 +670,7 @@ def parser() -> argparse.ArgumentParser:
     tokenizer_flags(p)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--config", help="YAML file of KEY: VALUE overrides")
-    p.add_argument(
-        "--encoding-errors",
-        choices=["strict", "replace"],
-        default="strict",
-        help="bytes that are not UTF-8: strict = error naming file and line, replace = U+FFFD",
-    )
+    encoding_flag(p)
     p.add_argument(
         "--tensorboard", action="store_true", help="also write TensorBoard logs (aiayn[tensorboard])"
     )
@@ -740,7 +747,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     device_flag(p)
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16", "int8"], default=DEFAULT_DTYPE)
+    dtype_flag(p)
     p.add_argument("--threads", type=int, help="PyTorch (or CTranslate2) threads of the model worker")
     compile_flag(p)
     p.add_argument(
@@ -753,16 +760,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cors-origin", action="append", default=[], help="allow this origin (CORS); none by default"
     )
-    for name, kind, what in (
-        ("beam_size", int, "default beam size (§6.1: 4)"), ("max_body_bytes", int, "request body limit"),
-        ("max_texts", int, "texts per request"), ("max_chars", int, "characters per text"),
-        ("max_tokens", int, "source tokens per line"), ("max_beam", int, "largest beam and n-best a request may ask"),
-        ("max_queue", int, "lines waiting; past it: 503 with Retry-After"), ("timeout_s", float, "request timeout"),
-        ("batch_tokens", int, "source tokens x beam per batch"), ("batch_sentences", int, "lines per batch"),
-        ("batch_wait_ms", float, "wait for more lines when the queue is short"),
-        ("max_batch_requests", int, "requests sharing a batch (1: no batching; default: any)"),
-    ):  # fmt: skip
-        p.add_argument("--" + name.replace("_", "-"), type=kind, help=what)
+    config_flags(p, ServeConfig)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="train and show a model on the built-in synthetic task")

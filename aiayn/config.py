@@ -223,22 +223,28 @@ class SearchConfig:
         return f"beam {self.beam_size}, alpha {self.alpha}, {self.length_penalty} penalty"
 
 
+def _about(default: Any, help: str) -> Any:
+    """A config field whose help a generated command-line flag shows."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ServeConfig:
-    """The server's limits and batching (`aiayn serve`); every limit is also a flag."""
+    """The server's limits and batching (`aiayn serve`); every field is also a flag of its own name, with
+    the help written here once (`aiayn serve --help`)."""
 
-    beam_size: int = 4  # the default search of a request that names none
-    max_body_bytes: int = 1 << 20  # request body
-    max_texts: int = 64  # texts in one request
-    max_chars: int = 5000  # characters in one text
-    max_tokens: int = 256  # source tokens in one line of a text
-    max_beam: int = 8  # beam size and n-best a request may ask for
-    max_queue: int = 1024  # lines waiting to be translated; past it: 503 with Retry-After
-    timeout_s: float = 30.0  # a request not answered by then gets 503 (its lines are dropped)
-    batch_tokens: int = 4096  # one batch: source tokens x beam
-    batch_sentences: int = 64  # one batch: lines
-    batch_wait_ms: float = 5.0  # how long the worker waits for more lines when the queue is short
-    max_batch_requests: int = 0  # requests whose lines may share a batch; 0 = any number (1: no batching)
+    beam_size: int = _about(4, "default beam size of a request that names none (§6.1: 4)")
+    max_body_bytes: int = _about(1 << 20, "request body limit")
+    max_texts: int = _about(64, "texts per request")
+    max_chars: int = _about(5000, "characters per text")
+    max_tokens: int = _about(256, "source tokens per line of a text")
+    max_beam: int = _about(8, "largest beam and n-best a request may ask for")
+    max_queue: int = _about(1024, "lines waiting to be translated; past it: 503 with Retry-After")
+    timeout_s: float = _about(30.0, "a request not answered by then gets 503 (its lines are dropped)")
+    batch_tokens: int = _about(4096, "source tokens x beam per batch")
+    batch_sentences: int = _about(64, "lines per batch")
+    batch_wait_ms: float = _about(5.0, "how long the worker waits for more lines when the queue is short")
+    max_batch_requests: int = _about(0, "requests whose lines may share a batch (1: no batching; 0: any)")
 
     def __post_init__(self) -> None:
         _check_types(self)
