@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from aiayn.inference.search import BeamLive, BeamStep, Decoder, GreedyStep, Seq2Seq, as_decoder
+from aiayn.inference.search import Decoder, Seq2Seq, WrappedDecoder
 from aiayn.precision import cpu_flags, cpu_info
 
 PAD, BOS, EOS = 0, 1, 2
@@ -189,34 +189,19 @@ def marian_model(shape: dict, dropout: float = 0.1):
     return MarianMTModel(marian_config(**shape, dropout=dropout))
 
 
-class NoEos(Decoder):
+class NoEos(WrappedDecoder):
     """A decoder whose outputs never end (EOS gets no probability), so every system decodes exactly the
-    same number of tokens in a speed benchmark; the wrapped decoder's own step work (a compiled one's
-    graphs) runs as it would."""
+    same number of tokens in a speed benchmark; every other step is the wrapped decoder's (a compiled
+    one's graphs run as they would)."""
 
     def __init__(self, model: Seq2Seq | Decoder, eos: int = 2):
-        self.decoder, self.eos = as_decoder(model), eos
-
-    def encode(self, src: Tensor):
-        return self.decoder.encode(src)
-
-    def new_cache(self, memory, max_len: int):
-        return self.decoder.new_cache(memory, max_len)
+        super().__init__(model)
+        self.eos = eos
 
     def decode(self, tgt_in: Tensor, memory, cache=None) -> Tensor:
         logits = self.decoder.decode(tgt_in, memory, cache)
         logits[..., self.eos] = float("-inf")
         return logits
-
-    def greedy_candidates(
-        self, logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
-    ) -> GreedyStep:
-        return self.decoder.greedy_candidates(logits, log_prob, limit, length)
-
-    def beam_candidates(
-        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
-    ) -> BeamStep:
-        return self.decoder.beam_candidates(logits, live, length, n_best, alpha, kind)
 
 
 def have(module: str) -> bool:

@@ -129,6 +129,33 @@ class EagerDecoder(Decoder):
         return beam_candidates(logits, live, length, n_best, alpha, kind)
 
 
+class WrappedDecoder(Decoder):
+    """A decoder around another that passes every step on to it, the search's own work included; a
+    subclass changes only the steps it is about (shortlist.Shortlisted the memory of a batch)."""
+
+    def __init__(self, decoder: Seq2Seq | Decoder):
+        self.decoder = as_decoder(decoder)
+
+    def encode(self, src: Tensor) -> Memory:
+        return self.decoder.encode(src)
+
+    def new_cache(self, memory: Memory, max_len: int) -> DecoderCache:
+        return self.decoder.new_cache(memory, max_len)
+
+    def decode(self, tgt_in: Tensor, memory: Memory | None, cache: DecoderCache | None = None) -> Tensor:
+        return self.decoder.decode(tgt_in, memory, cache)
+
+    def greedy_candidates(
+        self, logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
+    ) -> GreedyStep:
+        return self.decoder.greedy_candidates(logits, log_prob, limit, length)
+
+    def beam_candidates(
+        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+    ) -> BeamStep:
+        return self.decoder.beam_candidates(logits, live, length, n_best, alpha, kind)
+
+
 def as_decoder(model: Seq2Seq | Decoder) -> Decoder:
     """A decoder as it is; a model (the Seq2Seq interface alone) run eagerly."""
     return model if isinstance(model, Decoder) else EagerDecoder(model)
@@ -473,6 +500,7 @@ __all__ = [
     "GreedyStep",
     "Decoder",
     "EagerDecoder",
+    "WrappedDecoder",
     "as_decoder",
     "Seq2Seq",
     "greedy_search",

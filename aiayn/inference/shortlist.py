@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from aiayn.files import write_text
-from aiayn.inference.search import BeamLive, BeamStep, Decoder, GreedyStep, Seq2Seq, as_decoder
-from aiayn.model import DecoderCache, Memory
+from aiayn.inference.search import Decoder, Seq2Seq, WrappedDecoder
+from aiayn.model import Memory
 from aiayn.tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, Tokenizer
 
 VMAP_FILE = "vmap.txt"
@@ -141,34 +141,19 @@ def load_shortlist(directory: str | Path, tokenizer: Tokenizer) -> Shortlist:
     return Shortlist.load(path, tokenizer)
 
 
-class Shortlisted(Decoder):
+class Shortlisted(WrappedDecoder):
     """A decoder (eager, or compiled.CompiledDecoder) whose batches decode only their shortlist's
-    candidates: the memory of each batch names them, its cache gathers their output rows. Everything else
-    is the wrapped decoder's, the search's own step work included (a compiled one keeps its graphs)."""
+    candidates: the memory of each batch names them, its cache gathers their output rows. Every other step
+    is the wrapped decoder's, the search's own work included (a compiled one keeps its graphs)."""
 
     def __init__(self, decoder: Seq2Seq | Decoder, shortlist: Shortlist):
-        self.decoder, self.shortlist = as_decoder(decoder), shortlist
+        super().__init__(decoder)
+        self.shortlist = shortlist
 
     def encode(self, src: Tensor) -> Memory:
         memory = self.decoder.encode(src)
         memory.vocabulary = self.shortlist.candidates(src)  # (V',)
         return memory
-
-    def new_cache(self, memory: Memory, max_len: int) -> DecoderCache:
-        return self.decoder.new_cache(memory, max_len)
-
-    def decode(self, tgt_in: Tensor, memory: Memory | None, cache: DecoderCache | None = None) -> Tensor:
-        return self.decoder.decode(tgt_in, memory, cache)
-
-    def greedy_candidates(
-        self, logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
-    ) -> GreedyStep:
-        return self.decoder.greedy_candidates(logits, log_prob, limit, length)
-
-    def beam_candidates(
-        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
-    ) -> BeamStep:
-        return self.decoder.beam_candidates(logits, live, length, n_best, alpha, kind)
 
 
 def _unique_per_sentence(sentences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
