@@ -27,9 +27,9 @@ from aiayn.config import (
     SearchConfig,
     ServeConfig,
     TrainConfig,
+    choose,
     from_dict,
     parse_overrides,
-    preset_for_corpus,
     preset_for_vocabulary,
     recipe,
     split_overrides,
@@ -83,10 +83,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     model_overrides, train_overrides = split_overrides(values, where=args.config or "--set")
     # An unknown preset, a bad override or an impossible model fails now, not after preparing the data
     # (the vocabulary is at most --vocab-size). Without --preset the corpus decides it, once prepared.
-    cfg = train_config(args, args.preset or "small", train_overrides)
-    vocab_size = tokenizer_options(args).vocab_size
-    vocab_size = recipe("small").vocab_size if vocab_size is None else vocab_size
-    preset_for_vocabulary(args.preset or "small", vocab_size, vocab_size, True, **model_overrides)
+    provisional = choose(args.preset or "small", vocab_size=args.vocab_size)  # the corpus may pick another
+    cfg = train_config(args, provisional.preset, train_overrides)
+    size = provisional.vocab_size
+    preset_for_vocabulary(provisional.preset, size, size, True, **model_overrides)
+    tokenizer_options(args)  # the tokenizer flags, refused now if they cannot work
     resolve_dtype(cfg.dtype, resolve_device(args.device))  # an unknown device, CUDA where there is none,
     # or fp16 on the CPU fails now
     ranks = Ranks.start(cfg.dist_backend, args.device, cfg.dist_timeout_minutes)
@@ -103,7 +104,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 ranks.share(str(data.directory))
             ranks.barrier()
             tokenizer = data.tokenizer
-            name = args.preset or preset_for_corpus(len(data.src))
+            name = choose(args.preset, len(data.src)).preset
             if args.preset is None and ranks.main:
                 say(
                     f"aiayn: no --preset: {len(data.src):,} training pairs, so --preset {name} (README, Presets)"
@@ -111,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             cfg = train_config(args, name, train_overrides)
             sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
             model_config = preset_for_vocabulary(name, *sizes, **model_overrides)
-        vocab = tokenizer_options(args).vocab_size or recipe(name).vocab_size  # what prepare was asked for
+        vocab = choose(name, vocab_size=args.vocab_size).vocab_size  # what prepare was asked for
         settings = {} if args.data else {"tokenizer": f"{args.tokenizer}, vocab_size {vocab}, " + (
             "separate" if args.separate_vocab else "joint")}  # fmt: skip
         result = train(run, model_config, cfg, data, device, settings, ranks)
@@ -211,12 +212,12 @@ def tokenizer_options(args: argparse.Namespace, minutes: float = 0.0):
     from aiayn.data.prepare import TokenizerOptions
     from aiayn.tokenizer import Tokenizer
 
-    preset_name = getattr(args, "preset", None)
+    preset_name = getattr(args, "preset", None)  # `aiayn prepare` has no --preset
     vocab_size, bpe_dropout = args.vocab_size, args.bpe_dropout
-    if preset_name is not None:
-        vocab_size = recipe(preset_name).vocab_size if vocab_size is None else vocab_size
-        bpe_dropout = recipe(preset_name).bpe_dropout_for(minutes) if bpe_dropout is None else bpe_dropout
-    Tokenizer.check_options(recipe("small").vocab_size if vocab_size is None else vocab_size, args.tokenizer)
+    if preset_name is not None:  # else prepare chooses, once it knows the corpus's size
+        chosen = choose(preset_name, vocab_size=vocab_size, bpe_dropout=bpe_dropout, minutes=minutes)
+        vocab_size, bpe_dropout = chosen.vocab_size, chosen.bpe_dropout
+    Tokenizer.check_options(choose("small", vocab_size=vocab_size).vocab_size, args.tokenizer)
     if args.tokenizer_sample < 1:
         raise ValueError(f"--tokenizer-sample must be at least 1, got {args.tokenizer_sample}")
     if args.bpe_dropout is not None and not 0.0 <= args.bpe_dropout < 1.0:
@@ -228,7 +229,7 @@ def tokenizer_options(args: argparse.Namespace, minutes: float = 0.0):
     views = TokenizerOptions.views if args.bpe_dropout_views is None else args.bpe_dropout_views
     if views < 1:
         raise ValueError(f"--bpe-dropout-views must be at least 1, got {views}")
-    # None: prepare sizes the vocabulary (and BPE-dropout) for the corpus (config.preset_for_corpus's recipe)
+    # None: prepare sizes the vocabulary (and BPE-dropout) for the corpus (config.choose)
     return TokenizerOptions(
         vocab_size,
         args.tokenizer,

@@ -336,6 +336,38 @@ def preset_for_corpus(pairs: int) -> str:
     return "low-resource" if pairs <= LOW_RESOURCE_PAIRS else "small"
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What a run's recipe decides, where the user's flags do not: the one owner of these decisions."""
+
+    preset: str
+    vocab_size: int
+    bpe_dropout: float
+
+
+def choose(
+    preset: str | None,
+    pairs: int | None = None,
+    vocab_size: int | None = None,
+    bpe_dropout: float | None = None,
+    minutes: float = 0.0,
+) -> Choice:
+    """The preset (the user's, else the one for a corpus of `pairs` training pairs), then its recipe's
+    vocabulary size and BPE-dropout for a time budget of `minutes`, each unless the user gave it.
+    `aiayn train` and `aiayn prepare` both ask here; pairs is None while the corpus is not read yet,
+    and then preset must be named."""
+    if preset is None:
+        if pairs is None:
+            raise ValueError("choose: a preset, or the number of training pairs that picks one")
+        preset = preset_for_corpus(pairs)
+    chosen = recipe(preset)
+    return Choice(
+        preset,
+        chosen.vocab_size if vocab_size is None else vocab_size,
+        chosen.bpe_dropout_for(minutes) if bpe_dropout is None else bpe_dropout,
+    )
+
+
 def preset(name: str, **overrides: Any) -> ModelConfig:
     """A named ModelConfig; `vocab_size=` sets both vocabularies, other keys override fields."""
     if name not in PRESETS:

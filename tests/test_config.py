@@ -10,9 +10,13 @@ import re
 import pytest
 
 from aiayn.config import (
+    LOW_RESOURCE_PAIRS,
+    RECIPES,
+    Choice,
     ModelConfig,
     SearchConfig,
     TrainConfig,
+    choose,
     from_dict,
     load_json,
     parse_overrides,
@@ -256,3 +260,20 @@ def test_averaging_needs_a_budget_not_the_budget_schedule():
     assert not TrainConfig(max_updates=100, schedule="paper").budgeted
     assert TrainConfig(max_epochs=3).averaged == 0  # epochs are not a budget
     assert TrainConfig(max_updates=100, average_last=1).averaged == 0
+
+
+def test_one_function_chooses_the_preset_vocabulary_and_bpe_dropout_unless_the_user_did():
+    low = RECIPES["low-resource"]
+    chosen = choose(
+        None, LOW_RESOURCE_PAIRS, minutes=low.bpe_dropout_minutes
+    )  # a corpus this size: low-resource
+    assert chosen == Choice("low-resource", low.vocab_size, low.bpe_dropout)
+    assert (
+        choose(None, LOW_RESOURCE_PAIRS, minutes=low.bpe_dropout_minutes / 2).bpe_dropout == 0.0
+    )  # too short
+    assert choose(None, LOW_RESOURCE_PAIRS + 1).preset == "small"
+    assert choose("base", 10, vocab_size=123, bpe_dropout=0.2) == Choice("base", 123, 0.2)  # the user's win
+    with pytest.raises(ValueError, match="unknown preset"):
+        choose("huge")
+    with pytest.raises(ValueError, match="number of training pairs"):
+        choose(None)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aiayn.config import preset_for_corpus, recipe
+from aiayn.config import choose
 from aiayn.data.corpus import (
     Corpus,
     Errors,
@@ -181,7 +181,7 @@ def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
 class TokenizerOptions:
     """How to learn the vocabulary when none is given."""
 
-    vocab_size: int | None = None  # None: the recipe's for a corpus of this size (config.preset_for_corpus)
+    vocab_size: int | None = None  # None: the recipe's for a corpus of this size (config.choose)
     kind: str = "bpe"
     joint: bool = True
     sample: int = SAMPLE
@@ -239,10 +239,10 @@ def prepare(
                 raise ValueError(f"{name}: no training pairs left after dropping empty lines")
             chosen = _sample(trainable, options.sample, seed)
             sample = [_Side(pairs, held, chosen, side) for side in (0, 1)]
-            chosen_recipe = recipe(preset_for_corpus(trainable))
-            size = options.vocab_size or chosen_recipe.vocab_size
+            chosen = choose(None, trainable, options.vocab_size, options.bpe_dropout, options.minutes)
+            size = chosen.vocab_size
             if options.bpe_dropout is None and options.kind == "bpe":
-                bpe_dropout = chosen_recipe.bpe_dropout_for(options.minutes)
+                bpe_dropout = chosen.bpe_dropout
                 why = f" (the recipe's for {trainable:,} pairs and {options.minutes:g} minutes)"
             if not bpe_dropout and not options.bpe_dropout_target:
                 raise ValueError(
