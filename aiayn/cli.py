@@ -23,6 +23,7 @@ import yaml
 from aiayn.config import (
     LOW_RESOURCE_PAIRS,
     PRESETS,
+    InferenceOptions,
     ModelConfig,
     SearchConfig,
     ServeConfig,
@@ -316,18 +317,19 @@ def search_config_from(args: argparse.Namespace, n_best: int = 1) -> SearchConfi
     return from_dict(SearchConfig, fields, where="search options").with_n_best(n_best)
 
 
+def inference_options(args: argparse.Namespace) -> InferenceOptions:
+    """The flags of how to run the model (translate, evaluate, plot, serve), once, checked now."""
+    # translate, evaluate and plot have the flags of the model's own run; serve has its worker's too
+    names = [f.name for f in fields(InferenceOptions) if f.name in vars(args)]
+    options = InferenceOptions(**{name: getattr(args, name) for name in names})
+    resolve_dtype(options.dtype, resolve_device(options.device))  # CUDA where there is none, fp16 on a CPU
+    return options
+
+
 def load_translator(args: argparse.Namespace, search_config: SearchConfig):
     from aiayn.inference.translate import Translator
 
-    device = resolve_device(args.device)
-    return Translator.load(
-        args.model,
-        search_config,
-        dtype=args.dtype,
-        device=device,
-        compile=args.compile,
-        shortlist=args.shortlist,
-    )
+    return Translator.load(args.model, search_config, inference_options(args))
 
 
 def as_lines(texts: list[str]) -> str:
@@ -494,12 +496,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     limits = {f.name: getattr(args, f.name) for f in fields(ServeConfig) if getattr(args, f.name) is not None}
     config = from_dict(ServeConfig, limits, where="serve options")
-    resolve_dtype(args.dtype, resolve_device(args.device))
-    serve(
-        args.model, config, host=args.host, port=args.port, device=args.device, dtype=args.dtype, threads=args.threads,
-        engine=args.engine, api_key=args.api_key, cors_origins=tuple(args.cors_origin), compile=args.compile,
-        shortlist=args.shortlist,
-    )  # fmt: skip
+    options = inference_options(args)
+    serve(args.model, config, options, host=args.host, port=args.port, api_key=args.api_key,
+          cors_origins=tuple(args.cors_origin))  # fmt: skip
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-from aiayn.precision import DEFAULT_DTYPE, TrainDtype
+from aiayn.precision import DEFAULT_DTYPE, Dtype, TrainDtype
 
 # Not settings: the special token ids are the tokenizer's, the same in every vocabulary (tokenizer.py).
 SPECIAL_ID_KEYS = ("pad_id", "bos_id", "eos_id", "unk_id")
@@ -221,6 +221,24 @@ class SearchConfig:
         if self.beam_size == 1:
             return "greedy"
         return f"beam {self.beam_size}, alpha {self.alpha}, {self.length_penalty} penalty"
+
+
+@dataclass(frozen=True)
+class InferenceOptions:
+    """How a model is run to translate, built once from the flags and handed to whatever builds a
+    translator (`aiayn translate`, `evaluate`, `plot`, `serve`, a training run's final validation)."""
+
+    device: str = "auto"  # auto (CUDA when there is a GPU), cpu, cuda or cuda:N
+    dtype: Dtype = DEFAULT_DTYPE  # auto: bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU; fp16: CUDA
+    compile: bool = False  # decode with a compiled step (inference/compiled.py)
+    shortlist: bool = False  # the output layer restricted to the model directory's vmap.txt
+    threads: int | None = None  # the server's model worker: PyTorch (or CTranslate2) threads
+    engine: Literal["torch", "ctranslate2"] = "torch"  # the server's: aiayn's search, or CTranslate2's
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
 
 
 def _about(default: Any, help: str) -> Any:

@@ -13,6 +13,7 @@ from aiayn.config import (
     LOW_RESOURCE_PAIRS,
     RECIPES,
     Choice,
+    InferenceOptions,
     ModelConfig,
     SearchConfig,
     TrainConfig,
@@ -277,3 +278,12 @@ def test_one_function_chooses_the_preset_vocabulary_and_bpe_dropout_unless_the_u
         choose("huge")
     with pytest.raises(ValueError, match="number of training pairs"):
         choose(None)
+
+
+def test_inference_options_are_checked_where_they_are_made():
+    assert InferenceOptions() == InferenceOptions(device="auto", dtype="auto", engine="torch")
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        InferenceOptions(threads=0)
+    for bad in ({"engine": "onnx"}, {"dtype": "fp8"}, {"compile": "yes"}):
+        with pytest.raises(ValueError):
+            InferenceOptions(**bad)

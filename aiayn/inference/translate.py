@@ -6,17 +6,18 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from aiayn.checkpoint import load_model, load_search
-from aiayn.config import SearchConfig
+from aiayn.config import InferenceOptions, SearchConfig
 from aiayn.inference.compiled import CompiledDecoder, default_store
 from aiayn.inference.search import Decoder, EagerDecoder, Hypothesis, max_lengths, search
 from aiayn.inference.shortlist import Shortlist, Shortlisted, load_shortlist
 from aiayn.model import Transformer, attention_maps
-from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, default_device, for_inference
+from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, for_inference, resolve_device
 from aiayn.tokenizer import BOS_ID, PAD_ID, Tokenizer
 
 
@@ -64,24 +65,28 @@ class Translator:
         cls,
         directory: str | Path,
         search_config: SearchConfig | None = None,
-        dtype: Dtype = DEFAULT_DTYPE,
-        device: str | torch.device | None = None,
-        compile: bool = False,
-        shortlist: bool = False,
+        options: InferenceOptions | None = None,
+        **overrides: Any,
     ) -> Translator:
         """A model directory, in the layout and number format that translate fastest (for_inference);
         without a search_config, the one the model directory names (search.json), else §6.1's.
-        compile: decode with a compiled step (compiled.py): the first batch of each size compiles, or
-        loads what an earlier process compiled from the store (compiled.default_store).
-        shortlist: restrict the output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
-        device = torch.device(device) if device is not None else default_device()
+        options (config.InferenceOptions; overrides: some of its fields, e.g. dtype="fp32", device="cpu"):
+        compile decodes with a compiled step (compiled.py): the first batch of each size compiles, or loads
+        what an earlier process compiled from the store (compiled.default_store); shortlist restricts the
+        output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
+        if isinstance(overrides.get("device"), torch.device):
+            overrides["device"] = str(overrides["device"])
+        options = replace(options or InferenceOptions(), **overrides)
+        device = resolve_device(options.device)
         configure(device)
         model = load_model(directory, device)
         search_config = search_config or load_search(directory)  # the model's own, else §6.1's
         tokenizer = Tokenizer.load(directory)
-        candidates = load_shortlist(directory, tokenizer) if shortlist else None
-        model = for_inference(model, dtype)
-        return cls(model, tokenizer, search_config, dtype, compile=compile, shortlist=candidates)
+        candidates = load_shortlist(directory, tokenizer) if options.shortlist else None
+        model = for_inference(model, options.dtype)
+        return cls(
+            model, tokenizer, search_config, options.dtype, compile=options.compile, shortlist=candidates
+        )
 
     def attention(self, ids: list[int]) -> tuple[list[int], dict[str, list[torch.Tensor]]]:
         """The greedy translation of one sentence of source ids (EOS-terminated) and the attention weights

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from aiayn.checkpoint import load_search
-from aiayn.config import ServeConfig
+from aiayn.config import InferenceOptions, ServeConfig
 from aiayn.inference.translate import Translator
 from aiayn.precision import resolve_dtype
 from aiayn.serving.app import create_app
@@ -20,39 +20,26 @@ from aiayn.serving.worker import log
 def serve(
     model_dir: str | Path,
     config: ServeConfig,
+    options: InferenceOptions,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    device: str = "auto",
-    dtype: str = "auto",
-    threads: int | None = None,
-    engine: str = "torch",
     api_key: str | None = None,
     cors_origins: tuple[str, ...] = (),
-    compile: bool = False,
-    shortlist: bool = False,
 ) -> None:
     """Load the model and serve it until Ctrl-C or SIGTERM (then what is queued is answered first)."""
     import tempfile
 
     import uvicorn
 
-    from aiayn.precision import resolve_device
-
     listener = listen(host, port)  # before the model loads: a port in use is said at once
     search = replace(load_search(model_dir), beam_size=config.beam_size)  # alpha, penalty: the model's
+    engine = options.engine
     if engine == "ctranslate2" and search.length_penalty != "average":  # CTranslate2 has only that one
         search = replace(search, length_penalty="average")
         log.warning("--engine ctranslate2: beams use the average length penalty, score / |Y|^alpha")
     try:
-        translator = Translator.load(
-            model_dir,
-            search,
-            dtype=dtype,
-            device=resolve_device(device),
-            compile=compile,
-            shortlist=shortlist,
-        )
+        translator = Translator.load(model_dir, search, options)
     except BaseException:
         listener.close()
         raise
@@ -68,14 +55,14 @@ def serve(
                     "--engine ctranslate2 needs the ctranslate2 package: pip install ctranslate2"
                 ) from None
             compute = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
-            kind = resolve_dtype(dtype, translator.device)
+            kind = resolve_dtype(options.dtype, translator.device)
             export_ctranslate2(model_dir, Path(scratch) / "ct2")
             other = CTranslate2Translator(
                 Path(scratch) / "ct2", search, device=translator.device.type, compute_type=compute[kind],
-                threads=threads or 0,
+                threads=options.threads or 0,
             )  # fmt: skip
         app = create_app(
-            translator, config, engine=other, threads=threads, api_key=api_key, cors_origins=cors_origins,
+            translator, config, engine=other, threads=options.threads, api_key=api_key, cors_origins=cors_origins,
             engine_name=engine,
         )  # fmt: skip
         # Everything loaded so far (torch, the model, CTranslate2's converters: a quarter of a million
