@@ -317,6 +317,11 @@ def _decode(raw: bytes, path: Path, number: int, errors: Errors) -> str:
 # Cleaning and filtering -----------------------------------------------------------------------------------
 
 
+def blank(src: str, tgt: str) -> bool:
+    """A pair with an empty or whitespace-only side: dropped from training and validation alike."""
+    return not src.strip() or not tgt.strip()
+
+
 def clean_pairs(
     src: list[str], tgt: list[str], *, max_chars: int | None = None
 ) -> tuple[list[str], list[str], dict[str, int]]:
@@ -331,7 +336,7 @@ def clean_pairs(
     kept_src, kept_tgt = [], []
     empty = too_long = 0
     for s, t in zip(src, tgt):
-        if not s.strip() or not t.strip():
+        if blank(s, t):
             empty += 1
         elif max_chars is not None and max(len(s), len(t)) > max_chars:
             too_long += 1
@@ -351,6 +356,16 @@ def filter_lengths(src_ids: list[list[int]], tgt_ids: list[list[int]], max_len: 
     return kept, len(src_ids) - len(kept)
 
 
+def held_out(n: int, fraction: float, seed: int) -> np.ndarray:
+    """(n,) True at a seeded random `fraction` of n pairs (one at least), the validation split."""
+    n_valid = max(1, round(n * fraction))
+    if n_valid >= n:
+        raise ValueError(f"cannot hold out {fraction} of {n} pairs and keep any for training")
+    held = np.zeros(n, dtype=bool)
+    held[np.random.default_rng(seed).choice(n, n_valid, replace=False)] = True
+    return held
+
+
 def split_valid(
     src: list[str], tgt: list[str], fraction: float, seed: int
 ) -> tuple[list[str], list[str], list[str], list[str]]:
@@ -362,12 +377,7 @@ def split_valid(
         raise ValueError(f"split_valid: {len(src)} source lines but {len(tgt)} target lines")
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"the validation fraction must be in (0, 1), got {fraction}")
-    n = len(src)
-    n_valid = max(1, round(n * fraction))
-    if n_valid >= n:
-        raise ValueError(f"cannot hold out {fraction} of {n} pairs and keep any for training")
-    is_valid = np.zeros(n, dtype=bool)
-    is_valid[np.random.default_rng(seed).choice(n, n_valid, replace=False)] = True
+    is_valid = held_out(len(src), fraction, seed)
     train = np.flatnonzero(~is_valid).tolist()
     valid = np.flatnonzero(is_valid).tolist()
     return [src[i] for i in train], [tgt[i] for i in train], [src[i] for i in valid], [tgt[i] for i in valid]
@@ -541,6 +551,8 @@ __all__ = [
     "clean_pairs",
     "filter_lengths",
     "split_valid",
+    "held_out",
+    "blank",
     "make_batches",
     "batch_plan",
     "BatchPlan",

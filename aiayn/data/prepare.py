@@ -32,7 +32,9 @@ from aiayn.data.corpus import (
     Corpus,
     Errors,
     TextDigest,
+    blank,
     clean_pairs,
+    held_out,
     hf_splits,
     iter_pairs,
     parse_hf,
@@ -231,7 +233,7 @@ def prepare(
         if valid_fraction is not None or tokenizer is None:
             n = sum(1 for _ in _cleaned(pairs))  # which pairs to hold out and sample depends on how many
             if valid_fraction is not None:
-                held = _held_out(n, valid_fraction, seed)
+                held = held_out(n, valid_fraction, seed)
         bpe_dropout, why = options.bpe_dropout or 0.0, ""
         if tokenizer is None:
             trainable = n - (int(held.sum()) if held is not None else 0)
@@ -290,19 +292,9 @@ def _cleaned(pairs: PairSource) -> Iterator[tuple[int, str, str]]:
     """(index among kept pairs, src, tgt) of the pairs with no blank side."""
     k = 0
     for src, tgt in pairs():
-        if src.strip() and tgt.strip():
+        if not blank(src, tgt):
             yield k, src, tgt
             k += 1
-
-
-def _held_out(n: int, fraction: float, seed: int) -> np.ndarray:
-    """(n,) True at the pairs data.split_valid would hold out of n."""
-    n_valid = max(1, round(n * fraction))
-    if n_valid >= n:
-        raise ValueError(f"cannot hold out {fraction} of {n} pairs and keep any for training")
-    held = np.zeros(n, dtype=bool)
-    held[np.random.default_rng(seed).choice(n, n_valid, replace=False)] = True
-    return held
 
 
 def _sample(n: int, size: int, seed: int) -> np.ndarray:
