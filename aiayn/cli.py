@@ -464,7 +464,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_plot(args: argparse.Namespace) -> None:
     from aiayn.checkpoint import load_model_config
     from aiayn.inference.plots import plot_attention, plot_curves
-    from aiayn.training.run import METRICS
+    from aiayn.training.log import METRICS
 
     search_config = replace(search_config_from(args), beam_size=1)  # the maps are of the greedy output
     if args.sentence is not None and not args.sentence.strip():

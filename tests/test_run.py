@@ -194,7 +194,7 @@ def test_pruning_never_removes_the_checkpoint_of_the_model_in_out(tmp_path):
     run.begin({}, model, optimizer, data, TrainConfig(keep_last=2))
     for step in range(1, 6):
         run.save_checkpoint(model, optimizer, Progress(step=step, best_step=2))
-    run.close()
+    run.log.close()
     names = [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")]
     assert names == ["step_00000002", "step_00000004", "step_00000005"]
 

@@ -1,6 +1,6 @@
 """The run directory OUT of one training run: whether training starts fresh, resumes or replaces a run,
-what a resume must share with the run it continues, and what a running run writes there (checkpoints,
-the best model, metrics, TensorBoard, progress), timed by one clock.
+what a resume must share with the run it continues, and the checkpoints and best model it saves there;
+its metrics, progress and clock are its RunLog's (log.py).
 
 OUT holds a model directory (config.json, model.safetensors, tokenizer) once the run has validated,
 plus run.json (the settings a resume must share), train.json, metrics.jsonl, checkpoints/ and,
@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import shutil
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from tqdm import tqdm
 
 from aiayn import checkpoint
 from aiayn.config import TrainConfig, save_json
@@ -30,8 +26,9 @@ from aiayn.data.prepare import Prepared
 from aiayn.files import TMP_SUFFIX, atomic_write, check_writable_dir, remove_temporaries
 from aiayn.model import Transformer
 from aiayn.tokenizer import JOINT_FILE, SRC_FILE, TGT_FILE, Tokenizer
+from aiayn.training.log import METRICS, TENSORBOARD, RunLog
 
-RUN_FILE, METRICS, TENSORBOARD, DATA = "run.json", "metrics.jsonl", "tensorboard", "data"
+RUN_FILE, DATA = "run.json", "data"
 # What makes OUT hold a run (or a model): a new run refuses such a directory without --force.
 RUN_FILES = (
     checkpoint.CONFIG, checkpoint.WEIGHTS, checkpoint.TRAIN_CONFIG, checkpoint.CHECKPOINTS, RUN_FILE, METRICS,
@@ -79,13 +76,7 @@ class Run:
         self.existed = out.exists()  # else a run that fails its checks removes the directory it made
         self.start = start
         self.main, self.world = main, world
-        self.progress = progress and main
-        self.tensorboard = tensorboard and main
-        self.writer: Any = None  # TensorBoard's SummaryWriter while the run is open
-        self.bar: tqdm | None = None
-        self.minutes_before = 0.0
-        self.clock = time.monotonic()
-        self.tokens, self.tick = 0, self.clock  # target tokens since the last throughput figure
+        self.log = RunLog(out, progress, tensorboard, main)  # metrics, progress and the clock
         self.tokenizer: Tokenizer | None = None
         self.scaler: torch.amp.GradScaler | None = None  # fp16: its state goes into every checkpoint
         self.train_config: TrainConfig | None = None
@@ -197,7 +188,7 @@ class Run:
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"{last / checkpoint.STATE}: does not fit this model ({e})") from None
             if self.main:
-                self.truncate_metrics(state.metrics_bytes)
+                self.log.truncate(state.metrics_bytes)
         elif self.main and self.start == "replace":
             self.remove_run()
         if self.main:
@@ -207,11 +198,9 @@ class Run:
                 remove_temporaries(directory)  # what a killed save left behind
             atomic_write(self.out / RUN_FILE, lambda p: p.write_text(json.dumps(settings, indent=1) + "\n"))
             atomic_write(self.out / checkpoint.TRAIN_CONFIG, lambda p: save_json(train_config, p))
-        self.minutes_before = state.minutes
-        self.clock = self.tick = time.monotonic()
-        self.open_writers()
+        self.log.start(state.minutes)
         if self.resuming:
-            self.log(
+            self.log.record(
                 {"event": "resume", "checkpoint": str(self.last_checkpoint()), **asdict(state)}, echo=True
             )
         return state
@@ -255,53 +244,13 @@ class Run:
             else:
                 path.unlink(missing_ok=True)
 
-    def truncate_metrics(self, length: int) -> None:
-        """Drop the records of the updates and validations after the last checkpoint, which the resumed
-        run redoes; the records of what happened to the run (it stopped, resumed) stay."""
-        path = self.out / METRICS
-        if length < 0 or not path.is_file() or path.stat().st_size <= length:
-            return
-        with open(path, "rb") as f:
-            f.seek(length)
-            tail = f.read().decode("utf-8", errors="replace").splitlines(keepends=True)
-        kept = [line for line in tail if is_run_event(line)]
-        atomic_write(path, lambda tmp: tmp.write_bytes(path.read_bytes()[:length] + "".join(kept).encode()))
-
-    def open_writers(self) -> None:
-        self.bar = tqdm(
-            desc="train",
-            unit="upd",
-            disable=not self.progress,
-            dynamic_ncols=True,
-            mininterval=1 if sys.stderr.isatty() else 30,
-        )
-        if not self.tensorboard:
-            return
-        if importlib.util.find_spec("tensorboard") is None:
-            print(
-                "aiayn: TensorBoard was asked for but is not installed (pip install 'aiayn[tensorboard]'); "
-                f"the same numbers are in {self.out / METRICS}",
-                file=sys.stderr,
-            )
-            return
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(self.out / TENSORBOARD))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
     def __enter__(self) -> Run:
         return self
 
     def __exit__(self, error_type: type | None, error: BaseException | None, traceback: Any) -> None:
-        """Close the writers; a new run that failed before its first checkpoint removes what it wrote, so
+        """Close the log; a new run that failed before its first checkpoint removes what it wrote, so
         that the corrected command can start again without --force."""
-        self.close()
+        self.log.close()
         if (
             error_type is not None
             and self.main
@@ -310,42 +259,7 @@ class Run:
         ):
             self.remove_run()
 
-    # --- Running ------------------------------------------------------------------------------------
-
-    def minutes(self) -> float:
-        """Training minutes of the whole run, across resumes: the one clock."""
-        return self.minutes_before + (time.monotonic() - self.clock) / 60
-
-    def log(self, record: dict[str, Any], echo: bool = False) -> None:
-        """Append to OUT/metrics.jsonl; numbers also go to TensorBoard; echo: also to the terminal."""
-        if not self.main:
-            return
-        with open(self.out / METRICS, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.writer is not None and "step" in record:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "epoch"):
-                    self.writer.add_scalar(key, value, record["step"])
-        if echo and self.progress:
-            tqdm.write(json.dumps(record), file=sys.stderr)
-
-    def say(self, text: str) -> None:
-        if self.progress:
-            tqdm.write(text, file=sys.stderr)
-
-    def update(self, state: Progress, loss: float, lr: float, n_tokens: int) -> None:
-        """After an update: the progress bar and, every 10 updates, a training record."""
-        self.bar.update(1)
-        self.tokens += n_tokens
-        if state.step % 10:
-            return
-        rate = self.tokens / max(time.monotonic() - self.tick, 1e-9)
-        self.bar.set_postfix(
-            epoch=state.epoch + 1, loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", refresh=False
-        )
-        record = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr, "tokens_per_s": rate}
-        self.log({**record, "minutes": self.minutes()})
-        self.tokens, self.tick = 0, time.monotonic()
+    # --- Saving -------------------------------------------------------------------------------------
 
     def save_checkpoint(
         self, model: Transformer, optimizer: torch.optim.Optimizer, state: Progress
@@ -353,7 +267,7 @@ class Run:
         """OUT/checkpoints/step_N with everything a resume needs; older ones pruned, the best one kept."""
         if not self.main:
             return None
-        saved = dataclasses.replace(state, minutes=self.minutes(), metrics_bytes=self.metrics_length())
+        saved = dataclasses.replace(state, minutes=self.log.minutes(), metrics_bytes=self.log.length())
         payload = {"optimizer": optimizer.state_dict(), "progress": asdict(saved), "rng": rng_state()}
         if self.scaler is not None:
             payload["scaler"] = self.scaler.state_dict()
@@ -371,19 +285,6 @@ class Run:
         if not self.main:
             return
         checkpoint.save_model(self.out, model, self.tokenizer, self.train_config.search())
-
-    def metrics_length(self) -> int:
-        path = self.out / METRICS
-        return path.stat().st_size if path.is_file() else 0
-
-
-def is_run_event(line: str) -> bool:
-    """A metrics line about the run as a whole (stop, resume, data), not about an update it redoes."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:  # half written by a killed run
-        return False
-    return isinstance(record, dict) and record.get("event") in ("stop", "resume", "data")
 
 
 def describe(value: Any) -> str:

@@ -146,7 +146,7 @@ def train(
         run_settings(model_config, cfg, data, settings, ranks), model, optimizer, data, cfg, scaler
     )
     sizes = {"pairs": len(pairs.keep), "too_long": pairs.too_long, "params": model.num_parameters()}
-    run.log({"event": "data", **sizes}, echo=True)
+    run.log.record({"event": "data", **sizes}, echo=True)
     validation, ddp = Validation(data, cfg, device), ranks.wrap(model.train())
     with run:  # a run that fails before its first checkpoint leaves OUT as it found it
         with stop_signals() as signals:
@@ -156,7 +156,7 @@ def train(
                     if not cfg.valid_every:
                         stop = validate_and_save(run, validation, model, optimizer, state)
                 else:
-                    lr = rate(state.step + 1, run.minutes(), model_config.d_model, cfg)
+                    lr = rate(state.step + 1, run.log.minutes(), model_config.d_model, cfg)
                     with out_of_memory_is_a_batch_size_error(cfg, state.step + 1):
                         batches, seeds, dummy = pairs.share(
                             group, ranks, cfg.seed, state.step + 1, device, state.epoch
@@ -167,7 +167,7 @@ def train(
                         skip_nonfinite(run, cfg, state, loss)
                         continue
                     state.step += 1  # the schedule steps once per update, never per micro-batch
-                    run.update(state, loss / n_tokens, lr, n_tokens)
+                    run.log.update(state, loss / n_tokens, lr, n_tokens)
                     snapshot_for_averaging(run, model, optimizer, state)
                     if cfg.valid_every and state.step % cfg.valid_every == 0:
                         stop = validate_and_save(run, validation, model, optimizer, state)
@@ -240,7 +240,7 @@ def finish(run: Run, state: Progress, stop: Stop, final: Final | None = None) ->
     validated = state.best_step <= state.validated_step
     last = run.last_checkpoint() if run.main else None
     result = Result(stop, state.step, state.best_bleu, state.best_step, validated, last, final)
-    run.log(result.record())
+    run.log.record(result.record())
     return result
 
 
@@ -255,7 +255,7 @@ def snapshot_for_averaging(
     cfg, n = run.train_config, run.train_config.averaged
     if n < 2:  # no budget, or no averaging: nothing to do at any update
         return
-    used = budget_used(state.step + 0.5, run.minutes(), cfg)  # the budget used once this update is done
+    used = budget_used(state.step + 0.5, run.log.minutes(), cfg)  # the budget used once this update is done
     if used < 1.0 - cfg.average_fraction:
         state.averaging.clear()  # (taken for a shorter budget, before a resume with a longer one)
         return
@@ -289,11 +289,11 @@ def final_validation(run: Run, validation: Validation, state: Progress, device: 
         final = Final(search, single["bleu_signature"], single["bleu"], tuple(steps), average_bleu)
         if final.kept == "average":
             run.save_model(model)
-    run.log(final.record())
+    run.log.record(final.record())
     average = (
         f", the average of updates {list(final.average_steps)} {final.average_bleu:.2f}" if chosen[1:] else ""
     )
-    run.say(f"final validation, {search.describe()}: best single model {final.single_bleu:.2f}{average}; "
+    run.log.say(f"final validation, {search.describe()}: best single model {final.single_bleu:.2f}{average}; "
             f"OUT holds the {final.kept}")  # fmt: skip
     return final
 
@@ -403,7 +403,7 @@ def stop_reason(state: Progress, cfg: TrainConfig, run: Run, signals: list[str])
         return Stop("signal", signals[0])
     if cfg.max_updates and state.step >= cfg.max_updates:
         return Stop("max_updates")
-    if cfg.max_minutes and run.minutes() >= cfg.max_minutes:
+    if cfg.max_minutes and run.log.minutes() >= cfg.max_minutes:
         return Stop("max_minutes")
     return None
 
@@ -519,7 +519,7 @@ def skip_nonfinite(run: Run, cfg: TrainConfig, state: Progress, loss: float) -> 
             f"update {state.step + 1}: the loss is {loss} (not finite); the last good checkpoint is kept "
             f"in {run.out / 'checkpoints'}. Lower lr_scale, or use --set skip_nonfinite=true to skip such batches"
         )
-    run.log({"event": "skip_nonfinite", "update": state.step + 1}, echo=True)
+    run.log.record({"event": "skip_nonfinite", "update": state.step + 1}, echo=True)
 
 
 # --- Validation -------------------------------------------------------------------------------------
@@ -585,14 +585,14 @@ def validate_and_save(
     """
     metrics = validation(model) if run.main else {}  # other ranks wait for rank 0 at the next update
     examples = metrics.pop("examples", [])
-    run.log({"step": state.step, "epoch": state.epoch, "minutes": run.minutes(), **metrics})
+    run.log.record({"step": state.step, "epoch": state.epoch, "minutes": run.log.minutes(), **metrics})
     if metrics:
-        run.say(
+        run.log.say(
             f"step {state.step}  epoch {state.epoch}  valid loss {metrics['valid_loss']:.3f}  "
             f"ppl {metrics['valid_ppl']:.2f}  BLEU {metrics['valid_bleu']:.2f}"
         )
         for source, target, predicted in examples:
-            run.say(f"  SOURCE    {source}\n  TARGET    {target}\n  PREDICTED {predicted}")
+            run.log.say(f"  SOURCE    {source}\n  TARGET    {target}\n  PREDICTED {predicted}")
     state.validated_step = state.step
     if not metrics or metrics["valid_bleu"] > state.best_bleu:  # without validation data: the latest
         state.best_bleu = metrics.get("valid_bleu", state.best_bleu)
