@@ -183,6 +183,9 @@ class CompiledDecoder(Decoder):
     sentences while a fixed-shape step keeps computing their rows (on Multi30k's validation file in
     4,096-token batches, compiled greedy was slower than eager).
 
+    One class for all of it, past the usual size, because its graphs share one cache layout, one key
+    for a graph and one store: the cache's own work is StaticCache's, a stored graph's _Package's.
+
     With a store, the graphs are AOTInductor packages kept there (what `--compile` uses); without,
     torch.compile compiles them in memory. The packages run faster than graphs in memory in most of
     benchmarks/bench_translate.py's cells, and a later process loads them in about a second.

@@ -174,7 +174,7 @@ class Run:
         state = Progress()
         if self.resuming:
             last = self.last_checkpoint()
-            self.check_settings(settings, last)
+            check_settings(self.out, settings, last, self.world)
             saved = checkpoint.load_state(last)
             checkpoint.load_weights(model, last / checkpoint.WEIGHTS)
             try:
@@ -204,36 +204,6 @@ class Run:
                 {"event": "resume", "checkpoint": str(self.last_checkpoint()), **asdict(state)}, echo=True
             )
         return state
-
-    def check_settings(self, settings: dict[str, Any], last: Path) -> None:
-        """Refuse a resume whose settings differ from those the run started with, naming each.
-
-        settings: flat {name: JSON value}; "model.X" and "train.X" name fields of the model and training
-        configs, which a run made before run.json existed is checked on from its last checkpoint.
-        """
-        settings = json.loads(json.dumps(settings))  # as run.json holds them (tuples as lists, ...)
-        path = self.out / RUN_FILE
-        if path.is_file():
-            saved = json.loads(path.read_text())
-        else:
-            model = asdict(checkpoint.load_model_config(last))
-            train = json.loads((last / checkpoint.TRAIN_CONFIG).read_text())
-            saved = {f"model.{k}": v for k, v in model.items()} | {f"train.{k}": v for k, v in train.items()}
-        differ = [
-            f"{key}: {describe(saved[key])} in {self.out}, {describe(settings.get(key))} now"
-            for key in sorted(saved)
-            if key in settings and saved[key] != settings[key]
-        ]
-        key = "train.micro_batches_per_update"  # ranks x accumulate: any split of the same total resumes
-        if key in saved and saved[key] != settings.get(key, saved[key]) and saved[key] % self.world == 0:
-            differ.append(
-                f"with {self.world} rank(s), --set accumulate={saved[key] // self.world} resumes it"
-            )
-        if differ:
-            raise ValueError(
-                f"cannot resume {self.out} with other settings than it started with ({'; '.join(differ)}); "
-                "use the same ones, or --force to start a new run there"
-            )
 
     def remove_run(self) -> None:
         """Remove what the replaced run left in OUT; its model goes first, so OUT is never half of it."""
@@ -285,6 +255,36 @@ class Run:
         if not self.main:
             return
         checkpoint.save_model(self.out, model, self.tokenizer, self.train_config.search())
+
+
+def check_settings(out: Path, settings: dict[str, Any], last: Path, world: int) -> None:
+    """Refuse a resume of the run in `out` (its last checkpoint `last`, `world` ranks now) whose settings
+    differ from those the run started with, naming each.
+
+    settings: flat {name: JSON value}; "model.X" and "train.X" name fields of the model and training
+    configs, which a run made before run.json existed is checked on from its last checkpoint.
+    """
+    settings = json.loads(json.dumps(settings))  # as run.json holds them (tuples as lists, ...)
+    path = out / RUN_FILE
+    if path.is_file():
+        saved = json.loads(path.read_text())
+    else:
+        model = asdict(checkpoint.load_model_config(last))
+        train = json.loads((last / checkpoint.TRAIN_CONFIG).read_text())
+        saved = {f"model.{k}": v for k, v in model.items()} | {f"train.{k}": v for k, v in train.items()}
+    differ = [
+        f"{key}: {describe(saved[key])} in {out}, {describe(settings.get(key))} now"
+        for key in sorted(saved)
+        if key in settings and saved[key] != settings[key]
+    ]
+    key = "train.micro_batches_per_update"  # ranks x accumulate: any split of the same total resumes
+    if key in saved and saved[key] != settings.get(key, saved[key]) and saved[key] % world == 0:
+        differ.append(f"with {world} rank(s), --set accumulate={saved[key] // world} resumes it")
+    if differ:
+        raise ValueError(
+            f"cannot resume {out} with other settings than it started with ({'; '.join(differ)}); "
+            "use the same ones, or --force to start a new run there"
+        )
 
 
 def describe(value: Any) -> str:
