@@ -638,12 +638,31 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="aiayn", description=__doc__.split("\n")[0])
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = ap.add_subparsers(dest="command", required=True)
-    data_forms = (
-        "PREFIX (PREFIX.SRC and PREFIX.TGT, .gz ok), FILE.tsv, - (TSV on stdin) or hf:NAME[:CONFIG[:SPLIT]]"
-    )
+    for add in (
+        add_prepare,
+        add_train,
+        add_translate,
+        add_evaluate,
+        add_score,
+        add_average,
+        add_shortlist,
+        add_export,
+        add_plot,
+        add_serve,
+        add_demo,
+    ):
+        add(sub)  # one function a command, in the order `aiayn --help` lists them
+    return ap
 
+
+DATA_FORMS = (
+    "PREFIX (PREFIX.SRC and PREFIX.TGT, .gz ok), FILE.tsv, - (TSV on stdin) or hf:NAME[:CONFIG[:SPLIT]]"
+)
+
+
+def add_prepare(sub: Any) -> None:
     p = sub.add_parser("prepare", help="tokenize a corpus into memory-mapped files for `train --data`")
-    corpus_flags(p, data_forms)
+    corpus_flags(p, DATA_FORMS)
     p.add_argument("--out", required=True, help="directory to write (the prepared corpus)")
     p.add_argument("--seed", type=int, default=1, help="for --valid-fraction and the tokenizer's sample")
     tokenizer_flags(p)
@@ -651,8 +670,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_prepare)
 
+
+def add_train(sub: Any) -> None:
     p = sub.add_parser("train", help="train a model on parallel text")
-    corpus_flags(p, data_forms, required=False)
+    corpus_flags(p, DATA_FORMS, required=False)
     p.add_argument("--data", help="a corpus `aiayn prepare` wrote, instead of --train")
     p.add_argument("--out", required=True, help="run directory to write (a model directory plus checkpoints)")
     device_flag(p)
@@ -683,6 +704,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_train)
 
+
+def add_translate(sub: Any) -> None:
     p = sub.add_parser("translate", help="translate lines (stdin to stdout by default)")
     search_flags(p)
     p.add_argument("--input", help="file or pipe to translate (default and -: stdin)")
@@ -692,6 +715,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_translate)
 
+
+def add_evaluate(sub: Any) -> None:
     p = sub.add_parser("evaluate", help="sacreBLEU and chrF of a model on a test set")
     search_flags(p)
     p.add_argument("--src", required=True, help="source lines: a file, a pipe or - (stdin)")
@@ -702,6 +727,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
+
+def add_score(sub: Any) -> None:
     p = sub.add_parser("score", help="sacreBLEU and chrF of a file of translations against references")
     p.add_argument("hypotheses", metavar="HYP", help="translations, a line each: a file, a pipe or -")
     p.add_argument("references", metavar="REF", help="references, as many lines")
@@ -709,6 +736,8 @@ def parser() -> argparse.ArgumentParser:
     encoding_flag(p)
     p.set_defaults(func=cmd_score)
 
+
+def add_average(sub: Any) -> None:
     p = sub.add_parser("average", help="average the last N checkpoints of a run (§6.1)")
     p.add_argument("model", help="run directory (what `aiayn train --out` wrote)")
     p.add_argument("--last", type=int, required=True)
@@ -716,6 +745,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_average)
 
+
+def add_shortlist(sub: Any) -> None:
     p = sub.add_parser("shortlist", help="learn the output-layer shortlist (vmap.txt) of a model")
     p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
     p.add_argument("--data", help="a prepared corpus (default: the model directory's data/)")
@@ -723,6 +754,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--frequent", type=int, default=100, help="most frequent target tokens, always in (100)")
     p.set_defaults(func=cmd_shortlist)
 
+
+def add_export(sub: Any) -> None:
     p = sub.add_parser("export", help="write a model directory for another inference engine")
     p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
     p.add_argument(
@@ -736,12 +769,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_export)
 
+
+def add_plot(sub: Any) -> None:
     p = sub.add_parser("plot", help="loss/BLEU curves and attention heatmaps as PNG")
     search_flags(p)
     p.add_argument("--sentence", help="source sentence whose attention to draw")
     p.add_argument("--out", help="directory for the PNG files (default: the model directory)")
     p.set_defaults(func=cmd_plot)
 
+
+def add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="a REST API and a page around a model (FastAPI, uvicorn)")
     p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
@@ -763,11 +800,12 @@ def parser() -> argparse.ArgumentParser:
     config_flags(p, ServeConfig)
     p.set_defaults(func=cmd_serve)
 
+
+def add_demo(sub: Any) -> None:
     p = sub.add_parser("demo", help="train and show a model on the built-in synthetic task")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--minutes", type=float, default=2.5, help="training time budget")
     p.set_defaults(func=cmd_demo)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,8 +93,36 @@ def create_app(
     if engine is None and translator.compiled is not None:
         warm_up = lambda: translator.warm_up(default, config.batch_sentences, log.warning)  # noqa: E731
     worker = Worker(translate, config, metrics, threads, warm_up)
+    info = describe_service(translator, config, engine_name)
+    service = Service(translator, config, worker, metrics, info)
+    app = FastAPI(title="aiayn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    app.add_middleware(Edge, metrics=metrics, api_key=api_key)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])  # fmt: skip
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(Exception, bug)  # a bug: logged by the server, never shown to the client
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_api_route("/translate", translate_endpoint, methods=["POST"])
+    app.add_api_route("/attention", attention_endpoint, methods=["POST"])
+    for path, endpoint in (
+        ("/health", health),
+        ("/info", info_endpoint),
+        ("/metrics", metrics_endpoint),
+        ("/", page),
+    ):
+        app.add_api_route(path, endpoint, methods=["GET"])
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+def describe_service(translator: Translator, config: ServeConfig, engine_name: str) -> dict[str, Any]:
+    """What /info says: the version, the engine, device and number format, the model's shape, the default
+    search and the limits."""
     model = translator.model
-    info = {
+    return {
         "version": metadata.version("aiayn"),
         "engine": engine_name,
         "device": str(translator.device),
@@ -123,28 +151,6 @@ def create_app(
         },
         "limits": {k: v for k, v in vars(config).items() if k.startswith(("max_", "timeout", "batch_"))},
     }
-    service = Service(translator, config, worker, metrics, info)
-    app = FastAPI(title="aiayn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.service = service
-    app.add_middleware(Edge, metrics=metrics, api_key=api_key)
-    if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])  # fmt: skip
-    app.add_exception_handler(ApiError, api_error)
-    app.add_exception_handler(Exception, bug)  # a bug: logged by the server, never shown to the client
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_api_route("/translate", translate_endpoint, methods=["POST"])
-    app.add_api_route("/attention", attention_endpoint, methods=["POST"])
-    for path, endpoint in (
-        ("/health", health),
-        ("/info", info_endpoint),
-        ("/metrics", metrics_endpoint),
-        ("/", page),
-    ):
-        app.add_api_route(path, endpoint, methods=["GET"])
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    return app
 
 
 # --- The handlers: each finds the app's Service in request.app.state ------------------------------------
