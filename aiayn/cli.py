@@ -71,6 +71,9 @@ def config_file(path: str | None) -> dict[str, Any]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """`aiayn train`: every input checked before OUT changes, the data prepared (rank 0), the preset that
+    the corpus picks, then the training loop; the exit status says how it stopped. Long for a reason: the
+    order of these checks across torchrun's ranks is the point, and reads best in one place."""
     from aiayn.data.prepare import open_prepared
     from aiayn.training.distributed import Ranks
     from aiayn.training.run import Run

@@ -214,6 +214,9 @@ def prepare(
     held out at random (seeded), as data.split_valid does. tokenizer: the vocabulary to use; None learns
     one from a uniform sample of at most options.sample training pairs (all of them when there are
     fewer, in their order). source: how the user named the data, kept in the manifest.
+
+    Long for a reason: one pass of decisions over one temporary directory (hold out, learn the
+    vocabulary, encode, write the manifest) whose failure anywhere must remove it whole.
     """
     if valid is not None and valid_fraction is not None:
         raise ValueError(
@@ -239,21 +242,7 @@ def prepare(
             trainable = n - (int(held.sum()) if held is not None else 0)
             if not trainable:
                 raise ValueError(f"{name}: no training pairs left after dropping empty lines")
-            chosen = _sample(trainable, options.sample, seed)
-            sample = [_Side(pairs, held, chosen, side) for side in (0, 1)]
-            chosen = choose(None, trainable, options.vocab_size, options.bpe_dropout, options.minutes)
-            size = chosen.vocab_size
-            if options.bpe_dropout is None and options.kind == "bpe":
-                bpe_dropout = chosen.bpe_dropout
-                why = f" (the recipe's for {trainable:,} pairs and {options.minutes:g} minutes)"
-            if not bpe_dropout and not options.bpe_dropout_target:
-                raise ValueError(
-                    f"--bpe-dropout-source-only, but the recipe for {trainable:,} pairs and "
-                    f"{options.minutes:g} minutes takes no BPE-dropout: give --bpe-dropout P"
-                )
-            say(f"tokenizer: learning {options.kind} vocab_size {size} from {len(sample[0])} pairs")
-            kind, joint = options.kind, options.joint
-            tokenizer = Tokenizer.train(*sample, vocab_size=size, kind=kind, joint=joint)
+            tokenizer, bpe_dropout, why = _learn_tokenizer(pairs, held, trainable, options, seed, say)
         tokenizer.save(tmp)
         views = []
         if bpe_dropout:
@@ -286,6 +275,33 @@ def prepare(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _learn_tokenizer(
+    pairs: PairSource,
+    held: np.ndarray | None,
+    trainable: int,
+    options: TokenizerOptions,
+    seed: int,
+    say: Callable[[str], Any],
+) -> tuple[Tokenizer, float, str]:
+    """The vocabulary learned from a uniform sample of the `trainable` training pairs (those not held
+    out), sized by the recipe for that many pairs unless the options say, and the BPE-dropout to train
+    with: (tokenizer, bpe_dropout, why: where the BPE-dropout came from, for the message)."""
+    sample = [_Side(pairs, held, _sample(trainable, options.sample, seed), side) for side in (0, 1)]
+    chosen = choose(None, trainable, options.vocab_size, options.bpe_dropout, options.minutes)
+    bpe_dropout, why = options.bpe_dropout or 0.0, ""
+    if options.bpe_dropout is None and options.kind == "bpe":
+        bpe_dropout = chosen.bpe_dropout
+        why = f" (the recipe's for {trainable:,} pairs and {options.minutes:g} minutes)"
+    if not bpe_dropout and not options.bpe_dropout_target:
+        raise ValueError(
+            f"--bpe-dropout-source-only, but the recipe for {trainable:,} pairs and "
+            f"{options.minutes:g} minutes takes no BPE-dropout: give --bpe-dropout P"
+        )
+    say(f"tokenizer: learning {options.kind} vocab_size {chosen.vocab_size} from {len(sample[0])} pairs")
+    tokenizer = Tokenizer.train(*sample, vocab_size=chosen.vocab_size, kind=options.kind, joint=options.joint)
+    return tokenizer, bpe_dropout, why
 
 
 def _cleaned(pairs: PairSource) -> Iterator[tuple[int, str, str]]:
@@ -334,7 +350,11 @@ def _encode(
 ) -> tuple[dict[str, int], tuple[list[str], list[str]]]:
     """Stream the pairs through the tokenizer into DIR/{src,tgt}.{bin,len}, and through each of `views`
     (BPE-dropout's) into DIR/{src,tgt}.K.{bin,len}, K = 1, 2, ...; the held-out ones come back as text.
-    Writes a first manifest with the counts and the digest of the training text."""
+    Writes a first manifest with the counts and the digest of the training text.
+
+    Long for a reason: one streaming pass writes every file of the corpus together, so no side
+    is read twice and memory stays flat.
+    """
     vocab = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
     stems = ["", *(f".{k}" for k in range(1, len(views) + 1))]
@@ -414,7 +434,11 @@ def prepare_files(
 ) -> Prepared:
     """prepare() of --train / --valid / --valid-fraction as the command line names them: files, pipes,
     "-", or hf:NAME[:CONFIG[:SPLIT]] (whose validation split validates when --valid is not given).
-    A pipe or standard input is read once, into a spool file beside dest, since preparing reads twice."""
+    A pipe or standard input is read once, into a spool file beside dest, since preparing reads twice.
+
+    Long for a reason: each way the command line names the data (files, a pipe, TSV, hf:) checked
+    and read here, before any of the work, so a mistake is one line naming the input.
+    """
     if valid is not None and valid_fraction is not None:
         raise ValueError(
             "give validation data (--valid) or a fraction to hold out (--valid-fraction), not both"

@@ -329,6 +329,9 @@ def beam_search(
     for the result (stopping later would return the same n_best), unlike stopping at N finished.
 
     max_len: override the SearchConfig lengths (an int or a (B,) tensor).
+
+    Long for a reason: the search reads as one loop, top to bottom, as the algorithm is written;
+    its tensor work is beam_candidates and its bookkeeping _collect and BeamState.select.
     """
     if max_len is None:
         max_len = max_lengths(src, config)
