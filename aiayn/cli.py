@@ -522,16 +522,19 @@ def scoring_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenize", choices=TOKENIZERS, default="13a", help="sacreBLEU's BLEU tokenizer (-tok)")
 
 
-def config_flags(p: argparse.ArgumentParser, config: type) -> None:
-    """A flag for each field of a config dataclass, its type and help from the field (config.py says
-    each once); unset flags stay None, so the config's own default applies."""
+def config_flags(
+    p: argparse.ArgumentParser, config: type, names: tuple[str, ...] | None = None, default: str | None = None
+) -> None:
+    """A flag for each field of a config dataclass (or those named), its type and help from the field
+    (config.py says each once); unset flags stay None, so the config's own default applies, or the one
+    `default` names (a preset's)."""
     hints = typing.get_type_hints(config)
     for f in fields(config):
-        default = f.default
+        if names is not None and f.name not in names:
+            continue
+        shown = default or f"default {f.default}"
         p.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=hints[f.name],
-            help=f"{f.metadata['help']} (default {default})",
+            "--" + f.name.replace("_", "-"), type=hints[f.name], help=f"{f.metadata['help']} ({shown})"
         )
 
 
@@ -687,10 +690,9 @@ def add_train(sub: Any) -> None:
         "--preset",
         help=f"{', '.join(PRESETS)}; default: low-resource up to {LOW_RESOURCE_PAIRS:,} training pairs, else small",
     )
-    p.add_argument("--max-minutes", type=float)
-    p.add_argument("--max-epochs", type=int)
-    p.add_argument("--max-updates", type=int)
-    p.add_argument("--max-tokens", type=int, help="target tokens per micro-batch")
+    config_flags(
+        p, TrainConfig, ("max_minutes", "max_epochs", "max_updates", "max_tokens"), "default: the preset's"
+    )
     tokenizer_flags(p)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--config", help="YAML file of KEY: VALUE overrides")

@@ -21,6 +21,11 @@ MAX_POSITIONS_LIMIT = 100_000  # a larger table of positions is a typo, not a mo
 MAX_PARAMETERS = 4_000_000_000  # 16 GB of fp32 weights; Table 3's big is 213M: more is a typo
 
 
+def _about(default: Any, help: str) -> Any:
+    """A config field whose help a generated command-line flag shows."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything needed to rebuild a Transformer; saved as config.json in every model directory."""
@@ -90,7 +95,8 @@ class ModelConfig:
 class TrainConfig:
     """How to train: batches, optimiser, schedule (§5.3), regularisation (§5.4) and when to stop."""
 
-    max_tokens: int = 4096  # target tokens per micro-batch (the paper used about 25k per batch)
+    # the paper's batch was about 25k target tokens: a GPU takes it at once, a CPU in micro-batches
+    max_tokens: int = _about(4096, "padded target tokens per micro-batch")
     accumulate: int = 1  # micro-batches per update; the loss is divided, the schedule steps per update
     lr_scale: float = 1.0  # multiplies the §5.3 formula
     warmup_steps: int = 4000  # the paper's schedule warms up this long; its peak is the budget schedule's
@@ -109,9 +115,9 @@ class TrainConfig:
     clip_norm: float = 0.0  # 0 = no clipping (the paper does not clip)
     dtype: TrainDtype = DEFAULT_DTYPE  # auto: bf16 autocast on CUDA or a CPU with AMX, else fp32
     max_len: int = 256  # training pairs with more tokens than this on either side are filtered
-    max_epochs: int = 0  # 0 = no limit
-    max_updates: int = 0
-    max_minutes: float = 0.0
+    max_epochs: int = _about(0, "stop after this many epochs (0: no limit)")
+    max_updates: int = _about(0, "stop after this many updates (0: no limit)")
+    max_minutes: float = _about(0.0, "stop after this many minutes of training, a budget (0: no limit)")
     valid_every: int = 0  # updates between validations; 0 = once per epoch
     patience: int = 0  # validations without a better BLEU before stopping; 0 = never stop early
     keep_last: int = 5  # newest checkpoints kept, besides the best and those the end of the run averages
@@ -239,11 +245,6 @@ class InferenceOptions:
         _check_types(self)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
-
-
-def _about(default: Any, help: str) -> Any:
-    """A config field whose help a generated command-line flag shows."""
-    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
