@@ -24,7 +24,7 @@ from pathlib import Path
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
 TIMES = {"minutes", "tokens_per_s", "checkpoint"}  # differ from run to run
-# Parameter names before the layer norms left their Residual wrappers (issue 10): mapped to today's.
+# Parameter names from before the layer norms left their Residual wrappers: mapped to today's.
 RENAMED = {
     "res_attn.norm.": "self_attn_norm.",
     "res_self.norm.": "self_attn_norm.",

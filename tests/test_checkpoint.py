@@ -380,7 +380,7 @@ def test_saved_config_rebuilds_the_same_model(saved):
 
 
 def test_a_model_directory_of_an_earlier_version_still_loads(saved):
-    """Before issue 10 config.json held the special ids and each layer norm sat in a Residual wrapper
+    """Older model directories: config.json held the special ids and each layer norm sat in a Residual wrapper
     (encoder.0.res_attn.norm.weight): such directories load with the same numbers."""
     want = checkpoint.load_model(saved).state_dict()
     config = json.loads((saved / checkpoint.CONFIG).read_text())

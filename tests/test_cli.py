@@ -299,7 +299,7 @@ def test_the_installed_command_exits_2_without_traceback(corpus_prefix, tmp_path
     assert proc.stdout == ""
 
 
-# --- What a new user met (issue 10) ------------------------------------------------------------------
+# --- What a new user met ----------------------------------------------------------------------------
 
 
 def test_the_stop_record_is_printed_once_on_stdout(corpus_prefix, tmp_path):

@@ -2,7 +2,7 @@
 the file, line or value, with exit status 2 and no traceback; none hangs, none is accepted silently.
 
 The cases come from a black-box probe of the command line (about 235 inputs; 99 went wrong before
-issue 10: tracebacks, hangs, values taken silently, data destroyed). Runs in this process, so a case
+they were mended: tracebacks, hangs, values taken silently, data destroyed). Runs in this process, so a case
 that trained or translated by mistake would show as a wrong exit status, not as a slow test.
 """
 

@@ -1,4 +1,4 @@
-"""Bad input, faults and long runs (issue 5): every way in is a clear error or a counted skip, and nothing
+"""Bad input, faults and long runs: every way in is a clear error or a counted skip, and nothing
 that was saved is lost to a crash, a kill, a signal, a non-finite loss or running out of memory.
 
 Tests that already live beside their module are not repeated here: reader errors (data/test_corpus.py), broken

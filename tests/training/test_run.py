@@ -1,7 +1,7 @@
 """The run directory (aiayn/training/run.py) and the ways work could be lost or be wrong.
 
-Each test of a way to lose work failed on the code before the run directory had one owner (issue 10:
-checked by running this file against commit 56ea36a with its calls adapted to the old API); two more
+Each test of a way to lose work failed on the code before the run directory had one owner (checked by
+running this file against that code with its calls adapted to the old API); two more
 (--force replacing the whole run, a resume changing only limits) guard against refusing too much.
 Through the command line where a user would meet the problem, through the library where the state
 to set up is easier to reach that way.
