@@ -76,7 +76,8 @@ class Translator:
         output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
         if isinstance(overrides.get("device"), torch.device):
             overrides["device"] = str(overrides["device"])
-        options = replace(options or InferenceOptions(), **overrides)
+        given = {name: value for name, value in overrides.items() if value is not None}  # None: the options'
+        options = replace(options or InferenceOptions(), **given)
         device = resolve_device(options.device)
         configure(device)
         model = load_model(directory, device)
