@@ -24,6 +24,8 @@ from typing import Any
 
 from aiayn.config import ModelConfig, SearchConfig, ServeConfig, TrainConfig, preset
 
+__version__ = "0.1.0"  # the one place; pyproject.toml reads it
+
 # name -> the module that defines it, imported when the name is first asked for
 _LAZY = {
     "Transformer": "aiayn.model",

@@ -11,7 +11,6 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -26,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import aiayn
 from aiayn.config import SearchConfig, ServeConfig
 from aiayn.inference.search import Hypothesis
 from aiayn.inference.translate import Translator
@@ -123,7 +123,7 @@ def describe_service(translator: Translator, config: ServeConfig, engine_name: s
     search and the limits."""
     model = translator.model
     return {
-        "version": metadata.version("aiayn"),
+        "version": aiayn.__version__,
         "engine": engine_name,
         "device": str(translator.device),
         "dtype": resolve_dtype(translator.dtype, translator.device),

@@ -17,6 +17,7 @@ import uvicorn
 from conftest import free_port
 from fastapi.testclient import TestClient
 
+import aiayn
 from aiayn.config import SearchConfig, ServeConfig
 from aiayn.inference.compiled import CompiledDecoder
 from aiayn.inference.translate import Translator
@@ -192,6 +193,8 @@ def test_health_info_metrics_and_the_page(client, model_dir):
     info = client.get("/info").json()
     assert info["model"]["d_model"] == 64 and info["dtype"] == "fp32" and info["device"] == "cpu"
     assert info["limits"]["max_queue"] == 1024 and info["engine"] == "torch"
+    # the package's own version, not the installer's record: a source checkout never installed has none
+    assert info["version"] == aiayn.__version__
     assert str(model_dir) not in json.dumps(info) and "/" not in json.dumps(info["model"])  # no file paths
     client.post("/translate", json={"text": "a", "foo": 1})
     assert client.post("/translate", json={"text": "a"}).status_code == 200
