@@ -184,7 +184,7 @@ def save_checkpoint(
     final = root / f"step_{step:08d}"
     # the same step may be saved again (e.g. an interrupt right after a validation): replaced whole
     with staged_dir(final) as tmp:
-        save_model(tmp, model, tokenizer, train_config.search())
+        save_model(tmp, model, tokenizer, train_config.search)
         atomic_write(tmp / TRAIN_CONFIG, lambda p: save_json(train_config, p))
         atomic_write(tmp / STATE, lambda p: torch.save(state, p))
     return final

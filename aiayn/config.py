@@ -121,12 +121,11 @@ class TrainConfig:
     valid_every: int = 0  # updates between validations; 0 = once per epoch
     patience: int = 0  # validations without a better BLEU before stopping; 0 = never stop early
     keep_last: int = 5  # newest checkpoints kept, besides the best and those the end of the run averages
-    valid_beam_size: int = 1  # search used for validation BLEU (greedy is fast)
+    valid_beam_size: int = 1  # the beam of the validations during the run (greedy is fast): valid_search
     # The search the model is trained for (§6.1: beam 4, alpha 0.6, GNMT's penalty): the run's final
     # validation uses it, OUT's search.json keeps it, and translate, evaluate and serve start from it.
-    beam_size: int = 4
-    alpha: float = 0.6
-    length_penalty: Literal["gnmt", "average"] = "gnmt"
+    # Its fields are set like the others (--set beam_size=5): SEARCH_KEYS.
+    search: SearchConfig = dataclasses.field(default_factory=lambda: SearchConfig())
     seed: int = 1
     skip_nonfinite: bool = False  # skip batches whose loss is not finite instead of stopping
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"  # torchrun: auto = NCCL on CUDA, gloo on CPU
@@ -166,11 +165,13 @@ class TrainConfig:
             raise ValueError(f"average_last must not be negative, got {self.average_last}")
         if self.schedule == "budget" and not (self.max_minutes or self.max_updates):
             raise ValueError("schedule=budget needs a budget: max_minutes or max_updates")
-        self.search()  # the search fields are SearchConfig's, checked there
+        if self.search.n_best != 1:
+            raise ValueError(f"a model's search returns one translation, got n_best={self.search.n_best}")
 
-    def search(self) -> SearchConfig:
-        """The search the trained model is for (search.json in its directory)."""
-        return SearchConfig(beam_size=self.beam_size, alpha=self.alpha, length_penalty=self.length_penalty)
+    @property
+    def valid_search(self) -> SearchConfig:
+        """The search of the validations during the run: the model's, with valid_beam_size beams."""
+        return dataclasses.replace(self.search, beam_size=self.valid_beam_size)
 
     @property
     def averaged(self) -> int:
@@ -422,7 +423,13 @@ C = TypeVar("C", ModelConfig, TrainConfig, SearchConfig, ServeConfig)
 
 
 def from_dict(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
-    """Build a config from a dict, refusing unknown keys (a typo is an error, never ignored)."""
+    """Build a config from a dict, refusing unknown keys (a typo is an error, never ignored).
+
+    A TrainConfig takes its search as a "search" object (train.json), as SEARCH_KEYS at the top level
+    (--set, recipes and the train.json of runs made before the search was an object), or both: the
+    top-level keys win."""
+    if cls is TrainConfig:
+        values = _nest_search(values, where)
     known = {f.name for f in dataclasses.fields(cls)}
     _refuse_special_ids(values, where)
     unknown = sorted(set(values) - known)
@@ -434,11 +441,38 @@ def from_dict(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
         raise ValueError(f"{where}: {e}") from None
 
 
+# The fields of a TrainConfig's search that are set as if they were its own (`--set alpha=1.0`).
+SEARCH_KEYS = ("beam_size", "alpha", "length_penalty", "max_len_a", "max_len_b")
+
+
+def _nest_search(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """values with SEARCH_KEYS moved into the "search" SearchConfig."""
+    values = dict(values)
+    search = values.pop("search", {})
+    if isinstance(search, SearchConfig):
+        search = dataclasses.asdict(search)
+    if not isinstance(search, dict):
+        raise ValueError(f"{where}: search must be an object of SearchConfig keys, got {search!r}")
+    search = {**search, **{k: values.pop(k) for k in SEARCH_KEYS if k in values}}
+    values["search"] = from_dict(SearchConfig, search, where=f"{where}: search")
+    return values
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    """The settings of a config class by name with their types; a TrainConfig's search by SEARCH_KEYS."""
+    hints = dict(_type_hints(cls))
+    if cls is TrainConfig:
+        search = _type_hints(SearchConfig)
+        hints.pop("search")
+        hints |= {k: search[k] for k in SEARCH_KEYS}
+    return hints
+
+
 def parse_overrides(classes: type | tuple[type, ...], items: list[str]) -> dict[str, Any]:
     """Turn ["dropout=0.3", "norm=pre"] into typed values for the fields of a config class (or several)."""
     hints: dict[str, Any] = {}
     for cls in classes if isinstance(classes, tuple) else (classes,):
-        hints |= typing.get_type_hints(cls)
+        hints |= _fields(cls)
     name = " or ".join(c.__name__ for c in (classes if isinstance(classes, tuple) else (classes,)))
     out: dict[str, Any] = {}
     for item in items:
@@ -467,8 +501,7 @@ def _refuse_special_ids(keys: Any, where: str) -> None:
 def split_overrides(values: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """{key: value} of ModelConfig and TrainConfig fields, split in two; an unknown key is an error."""
     _refuse_special_ids(values, where)
-    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    model_fields, train_fields = set(_fields(ModelConfig)), {*_fields(TrainConfig), "search"}  # train.json's
     unknown = sorted(set(values) - model_fields - train_fields)
     if unknown:
         raise ValueError(
@@ -520,6 +553,9 @@ def _check_types(config: Any) -> None:
         elif hint is bool:
             ok = isinstance(value, bool)
             expected = "true or false"
+        elif dataclasses.is_dataclass(hint):
+            ok = isinstance(value, hint)
+            expected = f"a {hint.__name__}"
         else:
             ok, expected = True, str(hint)
         if not ok:

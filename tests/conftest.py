@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from aiayn.cli import main
+from aiayn.config import SearchConfig, preset
 from aiayn.data.prepare import MANIFEST, open_prepared, prepare_corpus
+from aiayn.inference.search import search
+from aiayn.model import Transformer
+from aiayn.tokenizer import EOS_ID, PAD_ID
 from aiayn.training.run import Run
 from aiayn.training.train import Result, train
 
@@ -112,3 +116,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --- Compiled decoding: a model whose outputs end at different steps -----------------------------------
+
+EOS_HEAVY_V = 60  # the eos_heavy_model's vocabulary
+
+
+def eos_heavy_model() -> Transformer:
+    """A random tiny model whose EOS embedding is doubled: its outputs end after 0 to 29 tokens."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", vocab_size=EOS_HEAVY_V)).eval()
+    with torch.no_grad():
+        model.tgt_embed.tokens.weight[EOS_ID] *= 2
+    return model
+
+
+def sources(batch: int, width: int, seed: int) -> torch.Tensor:
+    """(batch, width) ids of the eos_heavy_model's vocabulary, every other sentence padded after half its
+    width."""
+    generator = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, EOS_HEAVY_V, (batch, width), generator=generator)
+    src[1::2, width // 2 :] = PAD_ID
+    return src
+
+
+def fused_attention_calls(decoder, src: torch.Tensor, config: SearchConfig) -> int:
+    """How many times a search with decoder calls PyTorch's SDPA operator (the profiler records every
+    ATen operator call, an AOTInductor package's included; inductor's own kernels are not operators)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        search(decoder, src, config)
+    return sum(event.count for event in profile.key_averages() if "scaled_dot_product" in event.key)

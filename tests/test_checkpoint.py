@@ -172,10 +172,10 @@ def test_average_last_checkpoints_of_a_run(tokenizers, tmp_path):
         torch.testing.assert_close(p, want, rtol=0, atol=1e-6)
     assert Tokenizer.load(dest).src_vocab_size == tokenizer.src_vocab_size
     assert checkpoint.load_search(dest) == SearchConfig()  # the run's: TrainConfig's default, §6.1's
-    recipe = TrainConfig(beam_size=5, alpha=1.0, length_penalty="average")
+    recipe = TrainConfig(search=SearchConfig(beam_size=5, alpha=1.0, length_penalty="average"))
     checkpoint.save_checkpoint(tmp_path, 40, models[30], tokenizer, recipe, {})
     dest = checkpoint.average(tmp_path, 2, tmp_path / "avg2")
-    assert checkpoint.load_search(dest) == recipe.search()  # the newest checkpoint's search travels along
+    assert checkpoint.load_search(dest) == recipe.search  # the newest checkpoint's search travels along
 
     with pytest.raises(ValueError, match="found 4"):
         checkpoint.average(tmp_path, 5, tmp_path / "too_many")

@@ -1,6 +1,7 @@
 """A shrunken end-to-end run of the `aiayn` command line (train -> translate -> evaluate -> average),
 checked against the library and sacreBLEU, and its errors: exit code 2, one line, no traceback."""
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -74,8 +75,9 @@ def test_without_a_preset_the_corpus_size_picks_one_and_says_so(workdir, tmp_pat
     model = json.loads((tmp_path / "auto" / "config.json").read_text())
     for key, value in config.PRESETS["low-resource"].items():
         assert model[key] == value, key
-    trained = json.loads((tmp_path / "auto" / "train.json").read_text())
-    assert {k: trained[k] for k in chosen.train} == dict(chosen.train)
+    trained = config.load_json(config.TrainConfig, tmp_path / "auto" / "train.json")
+    settings = {**dataclasses.asdict(trained), **dataclasses.asdict(trained.search)}  # --set's names
+    assert {k: settings[k] for k in chosen.train} == dict(chosen.train)
     run_settings = json.loads((tmp_path / "auto" / "run.json").read_text())
     assert f"vocab_size {chosen.vocab_size}," in json.dumps(run_settings)
     code, _, stderr = run([*args, "--out", tmp_path / "flags", "--max-tokens", 999, "--set", "lr_scale=0.25"])

@@ -177,6 +177,43 @@ def test_configs_are_frozen():
             setattr(config, dataclasses.fields(config)[0].name, 1)
 
 
+def test_a_runs_search_is_a_search_config_set_by_its_field_names_or_as_train_json_holds_it(tmp_path):
+    """TrainConfig.search is the model's search (a SearchConfig); its fields are set like TrainConfig's
+    own (--set beam_size=5, a recipe's alpha), and the validations during the run decode with it at
+    valid_beam_size. train.json holds it as an object; one that holds it flat (as runs made before it was
+    an object wrote) reads the same."""
+    want = SearchConfig(beam_size=5, alpha=1.0, length_penalty="average")
+    flat = {"beam_size": 5, "alpha": 1.0, "length_penalty": "average", "warmup_steps": 7}
+    config = from_dict(TrainConfig, flat)
+    assert config.search == want and config.warmup_steps == 7
+    assert config.valid_search == dataclasses.replace(want, beam_size=1)
+    assert parse_overrides((ModelConfig, TrainConfig), ["alpha=1.0", "max_len_b=20"]) == {
+        "alpha": 1.0,
+        "max_len_b": 20,
+    }
+    assert split_overrides({"alpha": 1.0, "dropout": 0.2}, where="x") == ({"dropout": 0.2}, {"alpha": 1.0})
+    nested = {"search": dataclasses.asdict(want), "warmup_steps": 7}
+    assert from_dict(TrainConfig, nested) == config
+    assert from_dict(TrainConfig, {**nested, "beam_size": 2}).search.beam_size == 2  # the flat key wins
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({**dataclasses.asdict(TrainConfig()), **flat} | {"search": None}))
+    with pytest.raises(ValueError, match="train.json: search must be an object"):
+        load_json(TrainConfig, path)
+    old = {k: v for k, v in dataclasses.asdict(TrainConfig()).items() if k != "search"} | flat
+    path.write_text(json.dumps(old))
+    assert load_json(TrainConfig, path) == config
+    for bad, named in (
+        ({"search": {"beem": 4}}, "search: unknown SearchConfig key"),
+        ({"alpha": -1}, "alpha"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            from_dict(TrainConfig, bad)
+    with pytest.raises(ValueError, match="n_best"):
+        TrainConfig(search=SearchConfig(beam_size=2, n_best=2))
+    with pytest.raises(ValueError, match="TrainConfig.search: expected a SearchConfig"):
+        TrainConfig(search={"beam_size": 4})
+
+
 def test_from_dict_refuses_unknown_keys():
     assert from_dict(TrainConfig, {"warmup_steps": 100}).warmup_steps == 100
     with pytest.raises(ValueError, match="warmup_stpes"):
@@ -219,6 +256,7 @@ def test_parse_overrides_refuses_bad_items(item, named):
     [
         ModelConfig(src_vocab_size=100, tgt_vocab_size=200, share_embeddings=False, norm="pre", dropout=0.3),
         TrainConfig(max_tokens=1000, dtype="fp32", max_minutes=2.5, skip_nonfinite=True),
+        TrainConfig(search=SearchConfig(beam_size=5, alpha=1.0, length_penalty="average", max_len_b=20)),
         SearchConfig(beam_size=5, alpha=1.0, length_penalty="average", n_best=2),
     ],
 )

@@ -254,7 +254,7 @@ class Run:
         """OUT's model directory: the weights to translate with."""
         if not self.main:
             return
-        checkpoint.save_model(self.out, model, self.tokenizer, self.train_config.search())
+        checkpoint.save_model(self.out, model, self.tokenizer, self.train_config.search)
 
 
 def check_settings(out: Path, settings: dict[str, Any], last: Path, world: int) -> None:

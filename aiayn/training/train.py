@@ -9,7 +9,7 @@ import contextlib
 import math
 import signal
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -147,7 +147,7 @@ def train(
     )
     sizes = {"pairs": len(pairs.keep), "too_long": pairs.too_long, "params": model.num_parameters()}
     run.log.record({"event": "data", **sizes}, echo=True)
-    validation, ddp = Validation(data, cfg, device), ranks.wrap(model.train())
+    validation, ddp = Validation(data, device), ranks.wrap(model.train())
     with run:  # a run that fails before its first checkpoint leaves OUT as it found it
         with stop_signals() as signals:
             stop = agree(ranks, stop_reason(state, cfg, run, signals), device)  # a resumed run may be done
@@ -268,14 +268,14 @@ def snapshot_for_averaging(
 
 
 def final_validation(run: Run, validation: Validation, state: Progress, device: torch.device) -> Final | None:
-    """Validate OUT's model with the search it is trained for (TrainConfig.search(), which OUT's
+    """Validate OUT's model with the search it is trained for (TrainConfig.search, which OUT's
     search.json keeps and translate uses: §6.1's beam 4, alpha 0.6 unless a recipe or --set says other)
     and, in a run with a budget, the average of its last checkpoints; OUT keeps the average only if it
     scores higher."""
     if not run.main or not validation.data.valid_src:
         return None
     cfg = run.train_config
-    search = cfg.search()
+    search = cfg.search
     single = validation.score(Translator.load(run.out, search, dtype=cfg.dtype, device=device))
     # its own snapshots and the checkpoint it ended with; not the validations' checkpoints in between
     steps = sorted({*state.averaging, state.step}) if state.averaging else []
@@ -530,7 +530,6 @@ class Validation:
     """Validation loss, perplexity and BLEU (sacreBLEU, detokenized, 13a) of a model being trained."""
 
     data: Prepared
-    cfg: TrainConfig
     device: torch.device
 
     def score(self, translator: Translator) -> dict[str, Any]:
@@ -538,28 +537,26 @@ class Validation:
         return evaluate(translator, self.data.valid_src, self.data.valid_tgt)
 
     @torch.no_grad()
-    def __call__(self, model: Transformer) -> dict[str, Any]:
-        """{} without validation data."""
+    def __call__(self, model: Transformer, cfg: TrainConfig) -> dict[str, Any]:
+        """{} without validation data. cfg: the run's (its length filter, batches, number format,
+        label smoothing and valid_search)."""
         tokenizer, src_text, tgt_text = self.data.tokenizer, self.data.valid_src, self.data.valid_tgt
         if not src_text:
             return {}
         model.eval()
         src_ids, tgt_ids = tokenizer.encode_src(src_text), tokenizer.encode_tgt(tgt_text)
-        keep, _ = filter_lengths(src_ids, tgt_ids, self.cfg.max_len)
+        keep, _ = filter_lengths(src_ids, tgt_ids, cfg.max_len)
         src_ids, tgt_ids = [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
         loss_sum = nll_sum = tokens = 0.0
         lengths = [len(x) for x in src_ids], [len(x) for x in tgt_ids]
-        with autocast(self.device, self.cfg.dtype):
-            for batch in make_batches(*lengths, self.cfg.max_tokens, seed=0, epoch=0):
+        with autocast(self.device, cfg.dtype):
+            for batch in make_batches(*lengths, cfg.max_tokens, seed=0, epoch=0):
                 src, tgt_in, tgt_out = (t.to(self.device) for t in collate(src_ids, tgt_ids, batch))
                 real = tgt_out != PAD_ID  # (B, T)
-                loss, nll = label_smoothed_loss(
-                    model(src, tgt_in, real), tgt_out[real], self.cfg.label_smoothing
-                )
+                loss, nll = label_smoothed_loss(model(src, tgt_in, real), tgt_out[real], cfg.label_smoothing)
                 loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
                 tokens += real.sum().item()
-        search = replace(self.cfg.search(), beam_size=self.cfg.valid_beam_size)
-        hyps = Translator(model, tokenizer, search, self.cfg.dtype).translate(src_text)
+        hyps = Translator(model, tokenizer, cfg.valid_search, cfg.dtype).translate(src_text)
         bleu = score(hyps, tgt_text)["bleu"]
         model.train()
         return {
@@ -583,7 +580,8 @@ def validate_and_save(
     scheduled=False: the validation a run ends with when it stops between validations; it may give OUT a
     better model but does not count for patience, so a run stopped and resumed stops when one run would.
     """
-    metrics = validation(model) if run.main else {}  # other ranks wait for rank 0 at the next update
+    # the other ranks wait for rank 0 at the next update
+    metrics = validation(model, run.train_config) if run.main else {}
     examples = metrics.pop("examples", [])
     run.log.record({"step": state.step, "epoch": state.epoch, "minutes": run.log.minutes(), **metrics})
     if metrics:

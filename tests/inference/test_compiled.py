@@ -1,39 +1,26 @@
 """The compiled decoding step (compiled.py) against eager decoding, and its graphs counted: a step that
 torch.compile traced again, or gave up on, must fail a test rather than run slowly unnoticed."""
 
-import dataclasses
-
 import pytest
 import torch
+from conftest import EOS_HEAVY_V as V
+from conftest import eos_heavy_model, fused_attention_calls, sources
 
 from aiayn.config import SearchConfig, preset
-from aiayn.inference.compiled import TRACED_CODE, CompiledDecoder, fingerprint
+from aiayn.inference.compiled import CompiledDecoder
 from aiayn.inference.search import BeamLive, beam_candidates, greedy_candidates, search
 from aiayn.inference.shortlist import Shortlist, Shortlisted
 from aiayn.model import Transformer
 from aiayn.precision import for_inference
-from aiayn.tokenizer import EOS_ID, PAD_ID
-
-V = 60
+from aiayn.tokenizer import EOS_ID
 
 
 @pytest.fixture(scope="module")
 def decoders():
-    """A random tiny model whose EOS embedding is doubled: its outputs end after 0 to 29 tokens. Compiled
-    without max_autotune (which only chooses among GEMM kernels, and would double the suite's compile time)."""
-    torch.manual_seed(0)
-    model = Transformer(preset("tiny", vocab_size=V)).eval()
-    with torch.no_grad():
-        model.tgt_embed.tokens.weight[EOS_ID] *= 2
+    """The eos_heavy_model and an in-memory CompiledDecoder of it, compiled without max_autotune (which
+    only chooses among GEMM kernels, and would double the suite's compile time)."""
+    model = eos_heavy_model()
     return model, CompiledDecoder(model, max_autotune=False)
-
-
-def sources(batch: int, width: int, seed: int) -> torch.Tensor:
-    """(batch, width) ids, every other sentence padded after half its width."""
-    generator = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, V, (batch, width), generator=generator)
-    src[1::2, width // 2 :] = PAD_ID
-    return src
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
@@ -138,14 +125,6 @@ def test_a_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decod
         torch.testing.assert_close(expected[1], torch.log_softmax(args[0], -1).max(-1).values)
 
 
-def fused_attention_calls(decoder, src, config) -> int:
-    """How many times a search with decoder calls PyTorch's SDPA operator (the profiler records every
-    ATen operator call, an AOTInductor package's included; inductor's own kernels are not operators)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        search(decoder, src, config)
-    return sum(event.count for event in profile.key_averages() if "scaled_dot_product" in event.key)
-
-
 def test_on_a_cpu_compiled_graphs_write_attention_out(decoders):
     """The compiled encoder and step compute attention as its arithmetic, which inductor fuses, instead of
     calling the fused SDPA kernel (its set-up alone cost 20-27 us a call: CompiledDecoder._tracing), and
@@ -201,78 +180,6 @@ def test_two_decoders_keep_their_own_weights(decoders):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
     for decoder, tokens in ((compiled, want[0]), (second, want[1]), (compiled, want[0]), (second, want[1])):
         assert [h[0].tokens for h in search(decoder, src, config)] == tokens
-
-
-def test_a_store_serves_a_later_decoder_without_compiling(decoders, tmp_path):
-    """Graphs exported to a store (AOTInductor packages) give eager's hypotheses, and a decoder made later
-    over a fresh copy of the model (a second process, as far as it can tell) loads them instead of
-    compiling: the cached second run of `--compile`. Greedy over 3 sentences and beam 4 over 1 are both 4
-    rows, but two steps (cross-attention keys/values of 4 rows and of 1): one must not run the other's.
-    (One sentence, so one beam graph: each package costs the suite seconds of C++ compiling.)"""
-    model, _ = decoders
-
-    def check(decoder, width):
-        for batch, beam in ((3, 1), (1, 4)):
-            src = sources(batch, width, seed=batch + width)
-            config = SearchConfig(beam_size=beam, n_best=beam, max_len_b=20)
-            want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
-            assert [[h.tokens for h in hyps] for hyps in search(decoder, src, config)] == want
-
-    first = CompiledDecoder(model, store=tmp_path, max_autotune=False)
-    check(first, 9)
-    assert first.compile_seconds > 0
-    # encoder, cross keys/values and step, for 4 sentences and for 1; beam search's own work for 1,
-    # greedy search's for 3 and fewer live sentences and for 1
-    assert (
-        sorted(p.name.split("-")[0] for p in tmp_path.glob("*.pt2"))
-        == ["beam"] + ["cross"] * 2 + ["encoder"] * 2 + ["greedy"] * 2 + ["step"] * 2
-    )
-    copy = Transformer(preset("tiny", vocab_size=V)).eval()
-    copy.load_state_dict(model.state_dict())
-    later = CompiledDecoder(copy, store=tmp_path, max_autotune=False)
-    for width in (9, 15):  # the source length is dynamic in the packages too
-        check(later, width)
-    assert later.compile_seconds == 0.0 and later.load_seconds > 0
-    # the packages compute attention as its arithmetic too (test_on_a_cpu_compiled_graphs_write_attention_out)
-    assert fused_attention_calls(later, sources(3, 9, seed=1), SearchConfig(beam_size=1, max_len_b=8)) == 0
-
-
-def test_a_package_is_named_for_the_weights_options_and_code_it_was_compiled_with(
-    decoders, tmp_path, monkeypatch
-):
-    """Packages hold the weights as constants and the traced code as kernels: another model's weights,
-    the same weights read as another architecture (two heads instead of four: no weight shows it), other
-    compile options, or other code (an aiayn upgraded or edited in place) must never load a package
-    compiled for these."""
-    model, _ = decoders
-    options = {"max_autotune": False}
-    copy = Transformer(preset("tiny", vocab_size=V)).eval()
-    copy.load_state_dict(model.state_dict())
-    assert fingerprint(copy, options) == fingerprint(model, options)
-    assert fingerprint(model, {"max_autotune": True}) != fingerprint(model, options)
-    two_heads = Transformer(dataclasses.replace(model.config, n_heads=2)).eval()
-    two_heads.load_state_dict(model.state_dict())
-    assert fingerprint(two_heads, options) != fingerprint(model, options)
-    source = tmp_path / "search.py"  # the traced code, as a file of another version
-    source.write_text("# one version\n")
-    monkeypatch.setattr("aiayn.inference.compiled.TRACED_CODE", (*TRACED_CODE, str(source)))
-    before = fingerprint(model, options)
-    source.write_text("# another version\n")
-    assert fingerprint(model, options) != before
-    with torch.no_grad():
-        copy.decoder[0].feed_forward.w_2.bias[0] += 1e-6
-    assert fingerprint(copy, options) != fingerprint(model, options)
-
-
-def test_a_store_that_cannot_be_written_is_a_clear_error(decoders, tmp_path):
-    """AIAYN_COMPILE_STORE naming a file (or a read-only place): a ValueError naming it, before any compile."""
-    model, _ = decoders
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    compiled = CompiledDecoder(model, store=blocker / "store", max_autotune=False)
-    with pytest.raises(ValueError, match="cannot keep compiled graphs there"):
-        search(compiled, sources(1, 5, seed=7), SearchConfig(beam_size=1, max_len_b=5))
-    assert compiled.compile_seconds == 0.0
 
 
 def test_a_shortlist_keeps_the_compiled_decoders_own_step_work(decoders, monkeypatch):

@@ -501,7 +501,7 @@ def test_the_search_a_run_is_trained_for_is_its_final_validation_and_its_models(
     checkpoint keep it in search.json, which Translator.load then uses without being told."""
     tokenizer, corpus = data
     cfg = TrainConfig(max_updates=12, valid_every=6, max_tokens=200, dtype="fp32", warmup_steps=4,
-                      lr_scale=2.0, beam_size=3, alpha=1.0, length_penalty="average")  # fmt: skip
+                      lr_scale=2.0, search=SearchConfig(beam_size=3, alpha=1.0, length_penalty="average"))  # fmt: skip
     result = run_train(tmp_path, small_model(tokenizer, dropout=0.0), cfg, tokenizer, corpus)
     wanted = SearchConfig(beam_size=3, alpha=1.0, length_penalty="average")
     (final,) = [r for r in read_metrics(tmp_path) if r.get("event") == "final"]
