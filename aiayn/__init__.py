@@ -13,7 +13,7 @@ way (tests/test_layers.py holds the code to this table):
     training                         the training loop; its run directory; torchrun's ranks; the demo
     interop                          CTranslate2 and Keras 3
     serving                          the HTTP API and its page
-    cli                              the command line
+    cli                              the command line, a module per group of commands
     __main__                         python -m aiayn (what torchrun runs)
 
 The public API is importable from here: Transformer, Translator, train, the configs and preset. Only

@@ -2,7 +2,7 @@
 
 import sys
 
-from aiayn.cli import main
+from aiayn.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

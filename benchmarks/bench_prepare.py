@@ -43,12 +43,12 @@ def child(kind: str, prefix: str, out: str, updates: int) -> dict:
     """One measurement, in this (fresh) process."""
     start = time.perf_counter()
     if kind == "prepare":
-        from aiayn.cli import main
+        from aiayn.cli.main import main
 
         argv = ["prepare", "--train", prefix, "--src-lang", "en", "--tgt-lang", "xx", "--out", out, "--force"]
         assert main([*argv, "--vocab-size", "8000"]) == 0
     elif kind == "train-data":
-        from aiayn.cli import main
+        from aiayn.cli.main import main
 
         argv = [
             "train",

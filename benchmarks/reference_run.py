@@ -71,7 +71,7 @@ def write_data(work: Path) -> tuple[str, str]:
 def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="aiayn-reference-"))
     src, tgt = write_data(work)
-    aiayn = [sys.executable, "-m", "aiayn.cli"]
+    aiayn = [sys.executable, "-m", "aiayn"]
     out = work / "run"
     train = [
         "train",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.cli import main
+from aiayn.cli.main import main
 from aiayn.config import SearchConfig, preset
 from aiayn.data.prepare import MANIFEST, open_prepared, prepare_corpus
 from aiayn.inference.search import search

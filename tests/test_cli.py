@@ -17,7 +17,7 @@ import torch
 from conftest import assert_one_line_error, run_cli, train_argv, write_parallel
 
 from aiayn import checkpoint
-from aiayn.cli import main
+from aiayn.cli.main import main
 from aiayn.data.synthetic import generate
 
 run = run_cli
@@ -290,7 +290,7 @@ def test_the_installed_command_exits_2_without_traceback(corpus_prefix, tmp_path
         [
             sys.executable,
             "-m",
-            "aiayn.cli",
+            "aiayn",
             *map(str, train_argv(corpus_prefix, tmp_path / "m", "--set", "nope=1")),
         ],
         capture_output=True,
@@ -408,7 +408,7 @@ def test_translate_starts_from_the_models_search_json_and_flags_override_it(work
     import argparse
     import shutil
 
-    from aiayn.cli import search_config_from
+    from aiayn.cli.common import search_config_from
     from aiayn.config import SearchConfig
 
     root, model, _, _ = workdir

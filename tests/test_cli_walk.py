@@ -315,7 +315,7 @@ def test_permissions_as_a_user_without_override(w, tmp_path):
     ]
     for command, needles in cases:
         proc = subprocess.run(
-            [*drop, sys.executable, "-m", "aiayn.cli", *map(str, command)],
+            [*drop, sys.executable, "-m", "aiayn", *map(str, command)],
             capture_output=True,
             text=True,
             timeout=120,

@@ -217,7 +217,7 @@ def test_train_argument_errors(tmp_path, extra, needles):
 
 def test_debug_shows_the_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "aiayn.cli", "--debug", "translate", str(tmp_path / "nope")],
+        [sys.executable, "-m", "aiayn", "--debug", "translate", str(tmp_path / "nope")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -335,7 +335,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def cli(*argv) -> list[str]:
-    return [sys.executable, "-m", "aiayn.cli", *map(str, argv)]
+    return [sys.executable, "-m", "aiayn", *map(str, argv)]
 
 
 def run_argv(prefix: Path, out: Path, max_updates: int) -> list:

@@ -12,7 +12,7 @@ from conftest import run_train
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 from aiayn.checkpoint import save_model  # noqa: E402
-from aiayn.cli import main  # noqa: E402
+from aiayn.cli.main import main  # noqa: E402
 from aiayn.config import SearchConfig, TrainConfig, preset  # noqa: E402
 from aiayn.data.corpus import Corpus  # noqa: E402
 from aiayn.data.synthetic import generate  # noqa: E402

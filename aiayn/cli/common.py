@@ -1,0 +1,125 @@
+"""What several commands share: the flags of a model, its search, device and number format, and the
+options and translator built from them once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from dataclasses import asdict, fields
+
+from aiayn.config import (
+    InferenceOptions,
+    SearchConfig,
+    from_dict,
+)
+from aiayn.inference.evaluate import TOKENIZERS
+from aiayn.precision import DEFAULT_DTYPE, Dtype, resolve_device, resolve_dtype
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def config_flags(
+    p: argparse.ArgumentParser, config: type, names: tuple[str, ...] | None = None, default: str | None = None
+) -> None:
+    """A flag for each field of a config dataclass (or those named), its type and help from the field
+    (config.py says each once); unset flags stay None, so the config's own default applies, or the one
+    `default` names (a preset's)."""
+    hints = typing.get_type_hints(config)
+    for f in fields(config):
+        if names is not None and f.name not in names:
+            continue
+        shown = default or f"default {f.default}"
+        p.add_argument(
+            "--" + f.name.replace("_", "-"), type=hints[f.name], help=f"{f.metadata['help']} ({shown})"
+        )
+
+
+def dtype_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=typing.get_args(Dtype),
+        default=DEFAULT_DTYPE,
+        help="auto (default): bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU; fp16: CUDA",
+    )
+
+
+def encoding_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--encoding-errors",
+        choices=["strict", "replace"],
+        default="strict",
+        help="bytes that are not UTF-8: strict = error naming file and line, replace = U+FFFD",
+    )
+
+
+def device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is a GPU), cpu, cuda or cuda:N")
+
+
+def compile_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a compiled step (torch.compile): faster, after compiling once per batch size; "
+        "later runs load it from ~/.cache/aiayn/compiled ($AIAYN_COMPILE_STORE; README, Speed)",
+    )
+    p.add_argument(
+        "--shortlist",
+        action="store_true",
+        help="compute the output layer only for each batch's candidate tokens (the model's vmap.txt, "
+        "from `aiayn shortlist`)",
+    )
+
+
+def search_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
+    p.add_argument("--beam-size", type=int, help="1 = greedy (default: the model's search.json, else 4)")
+    p.add_argument("--alpha", type=float, help="length penalty weight (default: the model's, else 0.6)")
+    p.add_argument(
+        "--length-penalty",
+        choices=["gnmt", "average"],
+        help="gnmt (paper) or average (fairseq/HF); default: the model's, else gnmt",
+    )
+    dtype_flag(p)
+    compile_flag(p)
+    device_flag(p)
+
+
+def scoring_flags(p: argparse.ArgumentParser) -> None:
+    """sacreBLEU's own options, passed as they are (its signature records them)."""
+    p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF (sacreBLEU -lc)")
+    p.add_argument("--tokenize", choices=TOKENIZERS, default="13a", help="sacreBLEU's BLEU tokenizer (-tok)")
+
+
+def search_config_from(args: argparse.Namespace, n_best: int = 1) -> SearchConfig:
+    """The model's own search (its search.json, else §6.1's), with the flags the user gave over it."""
+    from aiayn.checkpoint import load_search
+
+    base = asdict(load_search(args.model))
+    fields = {"beam_size": args.beam_size, "alpha": args.alpha, "length_penalty": args.length_penalty}
+    fields = {**base, **{k: v for k, v in fields.items() if v is not None}}
+    return from_dict(SearchConfig, fields, where="search options").with_n_best(n_best)
+
+
+def inference_options(args: argparse.Namespace) -> InferenceOptions:
+    """The flags of how to run the model (translate, evaluate, plot, serve), once, checked now."""
+    # translate, evaluate and plot have the flags of the model's own run; serve has its worker's too
+    names = [f.name for f in fields(InferenceOptions) if f.name in vars(args)]
+    options = InferenceOptions(**{name: getattr(args, name) for name in names})
+    resolve_dtype(options.dtype, resolve_device(options.device))  # CUDA where there is none, fp16 on a CPU
+    return options
+
+
+def load_translator(args: argparse.Namespace, search_config: SearchConfig):
+    from aiayn.inference.translate import Translator
+
+    return Translator.load(args.model, search_config, inference_options(args))
+
+
+def as_lines(texts: list[str]) -> str:
+    """One line out per text: a translation holding a line break (byte-level BPE can emit one) must
+    not shift the lines after it."""
+    return "".join(t.replace("\r", " ").replace("\n", " ") + "\n" for t in texts)

@@ -1,0 +1,96 @@
+"""`aiayn average`, `shortlist` and `export`: new files from a model directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from aiayn.files import check_writable_dir, check_writable_file
+
+
+def add_average(sub: Any) -> None:
+    p = sub.add_parser("average", help="average the last N checkpoints of a run (§6.1)")
+    p.add_argument("model", help="run directory (what `aiayn train --out` wrote)")
+    p.add_argument("--last", type=int, required=True)
+    p.add_argument("--out", required=True, help="a new model directory (not the run's own)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_average)
+
+
+def cmd_average(args: argparse.Namespace) -> None:
+    from aiayn.checkpoint import average
+
+    check_writable_dir(args.out)
+    dest = average(args.model, args.last, args.out, force=args.force)
+    print(json.dumps({"averaged": args.last, "out": str(dest)}))
+
+
+def add_shortlist(sub: Any) -> None:
+    p = sub.add_parser("shortlist", help="learn the output-layer shortlist (vmap.txt) of a model")
+    p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
+    p.add_argument("--data", help="a prepared corpus (default: the model directory's data/)")
+    p.add_argument("--per-token", type=int, default=20, help="target candidates per source token (20)")
+    p.add_argument("--frequent", type=int, default=100, help="most frequent target tokens, always in (100)")
+    p.set_defaults(func=cmd_shortlist)
+
+
+def cmd_shortlist(args: argparse.Namespace) -> None:
+    from aiayn.data.prepare import open_prepared
+    from aiayn.inference.shortlist import VMAP_FILE, Shortlist
+    from aiayn.tokenizer import Tokenizer
+    from aiayn.training.run import DATA
+
+    data = open_prepared(args.data or Path(args.model) / DATA)
+    tokenizer = Tokenizer.load(args.model)
+    if (
+        tokenizer.src_tokens() != data.tokenizer.src_tokens()
+        or tokenizer.tgt_tokens() != data.tokenizer.tgt_tokens()
+    ):
+        raise ValueError(f"{data.directory} was prepared with another vocabulary than {args.model}'s")
+    src, tgt = [data.src[i] for i in range(len(data.src))], [data.tgt[i] for i in range(len(data.tgt))]
+    shortlist = Shortlist.learn(
+        src, tgt, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, per_token=args.per_token,
+        frequent=args.frequent,
+    )  # fmt: skip
+    out = Path(args.model) / VMAP_FILE
+    shortlist.save(out, tokenizer)
+    print(json.dumps({"out": str(out), "pairs": len(src), "always": len(shortlist.always)}))
+
+
+def add_export(sub: Any) -> None:
+    p = sub.add_parser("export", help="write a model directory for another inference engine")
+    p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
+    p.add_argument(
+        "--format",
+        choices=["ctranslate2", "keras"],
+        default="ctranslate2",
+        help="ctranslate2: a CTranslate2 model directory; keras: a Keras 3 .keras file (README, Keras)",
+    )
+    p.add_argument("--out", required=True, help="directory to write (ctranslate2) or FILE.keras (keras)")
+    p.add_argument("--quantization", help="CTranslate2 weight type, e.g. int8 or float16 (default float32)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    extra = {"ctranslate2": "dev", "keras": "keras"}[args.format]
+    try:  # each format needs an optional package
+        if args.format == "keras":
+            from aiayn.interop.keras_model import export_keras
+        else:
+            from aiayn.interop.ctranslate2 import export_ctranslate2
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"--format {args.format} needs the {e.name} package: pip install 'aiayn[{extra}]'"
+        ) from None
+    if args.format == "keras":
+        if args.quantization is not None:
+            raise ValueError("--quantization is CTranslate2's; the Keras export keeps the weights in float32")
+        check_writable_file(args.out, "Keras model")
+        dest = export_keras(args.model, args.out, force=args.force)
+    else:
+        check_writable_dir(args.out)
+        dest = export_ctranslate2(args.model, args.out, quantization=args.quantization, force=args.force)
+    print(json.dumps({"format": args.format, "out": str(dest)}))

@@ -1,0 +1,58 @@
+"""`aiayn serve`: the HTTP API and its page around a model directory."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any
+
+from aiayn.cli.common import (
+    compile_flag,
+    config_flags,
+    device_flag,
+    dtype_flag,
+    inference_options,
+)
+from aiayn.config import (
+    ServeConfig,
+    from_dict,
+)
+
+
+def add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="a REST API and a page around a model (FastAPI, uvicorn)")
+    p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    device_flag(p)
+    dtype_flag(p)
+    p.add_argument("--threads", type=int, help="PyTorch (or CTranslate2) threads of the model worker")
+    compile_flag(p)
+    p.add_argument(
+        "--engine",
+        choices=["torch", "ctranslate2"],
+        default="torch",
+        help="who translates: aiayn's search, or the model exported to CTranslate2 (attention: torch)",
+    )
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on the API")
+    p.add_argument(
+        "--cors-origin", action="append", default=[], help="allow this origin (CORS); none by default"
+    )
+    config_flags(p, ServeConfig)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from aiayn.checkpoint import load_model_config
+    from aiayn.serving.server import serve
+
+    load_model_config(args.model)  # a model directory, or a clear error before any work
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    limits = {f.name: getattr(args, f.name) for f in fields(ServeConfig) if getattr(args, f.name) is not None}
+    config = from_dict(ServeConfig, limits, where="serve options")
+    options = inference_options(args)
+    serve(args.model, config, options, host=args.host, port=args.port, api_key=args.api_key,
+          cors_origins=tuple(args.cors_origin))  # fmt: skip
