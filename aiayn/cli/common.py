@@ -8,11 +8,7 @@ import sys
 import typing
 from dataclasses import asdict, fields
 
-from aiayn.config import (
-    InferenceOptions,
-    SearchConfig,
-    from_dict,
-)
+from aiayn.config import InferenceOptions, SearchConfig, from_dict
 from aiayn.inference.evaluate import TOKENIZERS
 from aiayn.precision import DEFAULT_DTYPE, Dtype, resolve_device, resolve_dtype
 

@@ -6,17 +6,8 @@ import argparse
 from dataclasses import fields
 from typing import Any
 
-from aiayn.cli.common import (
-    compile_flag,
-    config_flags,
-    device_flag,
-    dtype_flag,
-    inference_options,
-)
-from aiayn.config import (
-    ServeConfig,
-    from_dict,
-)
+from aiayn.cli.common import compile_flag, config_flags, device_flag, dtype_flag, inference_options
+from aiayn.config import ServeConfig, from_dict
 
 
 def add_serve(sub: Any) -> None:

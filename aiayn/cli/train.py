@@ -13,12 +13,7 @@ from typing import Any
 
 import yaml
 
-from aiayn.cli.common import (
-    config_flags,
-    device_flag,
-    encoding_flag,
-    say,
-)
+from aiayn.cli.common import config_flags, device_flag, encoding_flag, say
 from aiayn.config import (
     LOW_RESOURCE_PAIRS,
     PRESETS,
