@@ -93,11 +93,11 @@ def test_one_graph_serves_every_source_length_and_batch_of_the_same_rows(decoder
             search(compiled, sources(2, 9, seed=2), config)  # 2 rows: a new graph
 
 
-@pytest.mark.parametrize("beam_size", [1, 2])
+@pytest.mark.parametrize("beam_size", [1, 4])
 def test_a_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decoders, beam_size):
     """search.beam_candidates and search.greedy_candidates, compiled: the same hypotheses as eager, and
     sentences leaving the batch (5, 4, ... 1 live) or another vocabulary size of the logits run without
-    tracing them again."""
+    tracing them again. (5 sentences of beam 1 and 4: the first test's rows, whose graphs it made.)"""
     model, compiled = decoders
     config = SearchConfig(beam_size=beam_size, n_best=beam_size, max_len_b=20)
     for src in (sources(5, 9, seed=8), sources(1, 7, seed=9)):
@@ -109,9 +109,9 @@ def test_a_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decod
     )
     with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():  # as search calls it
         if beam_size > 1:
-            live = BeamLive(torch.zeros(3, 2), torch.full((3,), 9), torch.ones(3), torch.full((3, 2), -torch.inf),
+            live = BeamLive(torch.zeros(3, 4), torch.full((3,), 9), torch.ones(3), torch.full((3, 4), -torch.inf),
                             torch.zeros(3, dtype=torch.long))  # fmt: skip
-            args = (torch.randn(3, 2, V - 7), live, torch.ones(1, dtype=torch.long), 2, config.alpha,
+            args = (torch.randn(3, 4, V - 7), live, torch.ones(1, dtype=torch.long), 4, config.alpha,
                     config.length_penalty)  # fmt: skip
         else:
             args = (torch.randn(3, V - 7), torch.zeros(3), torch.full((3,), 9), torch.full((1,), 9))
