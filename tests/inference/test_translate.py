@@ -170,3 +170,26 @@ def test_transposed_weights_are_the_same_model_in_another_layout(model, tokenize
     assert loaded.translate(INPUTS) == Translator(model, tokenizer, SearchConfig(beam_size=4)).translate(
         INPUTS
     )
+
+
+@pytest.mark.parametrize(("max_sentences", "sizes"), [(64, [1, 2, 4, 8, 16, 32]), (5, [1, 2, 4, 5]), (1, [1])])
+def test_warm_up_searches_once_with_each_batch_size_that_has_graphs_of_its_own(
+    model, tokenizer, monkeypatch, max_sentences, sizes
+):
+    """What `serve --compile` runs before it says ready: a search of 1, 2, 4, ... sentences up to the
+    server's batch_sentences and the compiled decoder's max_sentences (32; larger batches decode
+    eagerly), so that no batch a server makes compiles on a request's time. An eager translator has
+    nothing to warm. (That the graphs are then made: test_server's compiled-server test.)"""
+    from aiayn.inference.compiled import CompiledDecoder
+
+    search_config = SearchConfig(beam_size=4)
+    translator = Translator(model, tokenizer, search_config)
+    searched = []
+    monkeypatch.setattr(translator, "translate_ids", lambda ids, config: searched.append((len(ids), config)))
+    translator.warm_up(search_config, max_sentences, say=lambda line: None)
+    assert searched == []
+    translator.decoder = CompiledDecoder(model, max_autotune=False)  # compiles nothing until it is called
+    lines = []
+    translator.warm_up(search_config, max_sentences, say=lines.append)
+    assert searched == [(size, search_config) for size in sizes]
+    assert len(lines) == len(sizes) + 1 and lines[-1].startswith("compiled decoding: ready")
