@@ -20,6 +20,22 @@ from aiayn.training.train import Result, train
 
 torch.set_num_threads(1)
 
+# Files that take longest (compiling graphs, starting processes), scheduled first: `make test` gives each
+# of its workers a file at a time, and a long file started last would run on alone at the end.
+LONGEST_FIRST = (
+    "inference/test_compiled.py",
+    "inference/test_compiled_store.py",
+    "serving/test_server.py",
+    "training/test_distributed.py",
+    "training/test_demo.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).parent
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
+
 
 def run_cli(argv: list) -> tuple[int, str, str]:
     """aiayn's main() in this process; (exit code, stdout, stderr)."""
