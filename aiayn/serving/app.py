@@ -261,23 +261,53 @@ class Edge:
             return await self.app(scope, receive, send)
         endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
         start, status = time.perf_counter(), [500]
+        headers = Headers(scope=scope)
+        body_done = [not ("content-length" in headers or "transfer-encoding" in headers)]
+
+        async def receive_tracked() -> dict:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done[0] = True
+            return message
 
         async def send_with_headers(message: dict) -> None:
             if message["type"] == "http.response.start":
+                if not body_done[0]:  # an early answer (401, 413, ...): read what the client still sends
+                    await drain(receive_tracked, body_done)
                 status[0] = message["status"]
                 MutableHeaders(scope=message).update(SECURITY_HEADERS)
             await send(message)
 
         try:
-            if self.api_key and endpoint in PROTECTED and not authorized(Headers(scope=scope), self.api_key):
+            if self.api_key and endpoint in PROTECTED and not authorized(headers, self.api_key):
                 error = ApiError(401, "unauthorized", "a valid API key is needed: Authorization: Bearer KEY",
                                  {"WWW-Authenticate": "Bearer"})  # fmt: skip
-                await error_response(error, self.metrics)(scope, receive, send_with_headers)
+                await error_response(error, self.metrics)(scope, receive_tracked, send_with_headers)
             else:
-                await self.app(scope, receive, send_with_headers)
+                await self.app(scope, receive_tracked, send_with_headers)
         finally:
             self.metrics.requests.labels(endpoint, str(status[0])).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+
+# An answer sent before the request's body was read (a key refused, a body too large) is sent after
+# reading the rest of the body, up to these bounds: a server that answers and closes with the body
+# unread resets the connection, and a client still sending it (urllib, requests: no 100-continue) gets
+# "connection reset" instead of the answer. Past the bounds the answer goes out anyway.
+DRAIN_BYTES = 64 << 20
+DRAIN_SECONDS = 10.0
+
+
+async def drain(receive: Callable, body_done: list[bool]) -> None:
+    """Read and drop the rest of a request's body, within DRAIN_BYTES and DRAIN_SECONDS."""
+
+    async def read() -> None:
+        seen = 0
+        while not body_done[0] and seen <= DRAIN_BYTES:
+            seen += len((await receive()).get("body", b""))
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(read(), DRAIN_SECONDS)
 
 
 ENDPOINTS = ("/translate", "/attention", "/health", "/info", "/metrics", "/")

@@ -3,6 +3,7 @@ every limit and error type, translations equal Translator.translate, attention i
 across requests, a client that goes away, and a shutdown with requests pending."""
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -308,10 +311,9 @@ def test_a_compiled_server_compiles_before_it_says_ready_and_serves_the_eager_tr
 # --- A real server: a client that goes away, a shutdown with requests pending ---------------------------
 
 
-@pytest.fixture
-def live(translator):
-    """A uvicorn server in a thread on a free loopback port: (app, port, server)."""
-    app = create_app(translator, ServeConfig(batch_wait_ms=1))
+@contextlib.contextmanager
+def running(app):
+    """app in a uvicorn server in a thread on a free loopback port: (port, server)."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -320,10 +322,47 @@ def live(translator):
     while not server.started:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    yield app, port, server
+    yield port, server
     server.should_exit = True
     thread.join(30)
     assert not thread.is_alive()
+
+
+@pytest.fixture
+def live(translator):
+    """A uvicorn server of the translator: (app, port, server)."""
+    app = create_app(translator, ServeConfig(batch_wait_ms=1))
+    with running(app) as (port, server):
+        yield app, port, server
+
+
+@pytest.mark.parametrize(
+    ("key", "size", "status", "kind"),
+    [
+        ("KEY", 8 << 20, 413, "too_large"),  # declared too large: answered before a byte of it is read
+        ("KEY", 3000, 413, "too_large"),
+        ("WRONG", 8 << 20, 401, "unauthorized"),  # refused before the body is read
+    ],
+)
+def test_an_early_answer_reaches_a_client_still_sending_its_body(translator, key, size, status, kind):
+    """urllib (as requests) sends the whole body without waiting for 100-continue: a server that answered
+    and closed with the body unread reset the connection, and the client saw "connection reset by peer"
+    instead of the answer. The server reads the rest of the body first (within bounds), so the client
+    gets the JSON error."""
+    app = create_app(translator, ServeConfig(max_body_bytes=2048), api_key="KEY")
+    body = json.dumps({"text": "x" * size}).encode()
+    with running(app) as (port, _):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/translate", data=body, method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request, timeout=60)
+        assert answer.value.code == status
+        assert json.loads(answer.value.read())["error"]["type"] == kind
+        # the server goes on answering
+        ok = urllib.request.Request(f"http://127.0.0.1:{port}/health")
+        assert json.loads(urllib.request.urlopen(ok, timeout=60).read()) == {"status": "ok"}
 
 
 def raw_post(port: int, body: dict) -> socket.socket:
