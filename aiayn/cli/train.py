@@ -146,6 +146,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         ranks.close()
     if not ranks.main:
         return 0 if result.stop.signal is None else 128 + signal.Signals[result.stop.signal].value
+    if result.restored:  # (Run said so on stderr)
+        say(
+            f"aiayn: stopped by {result.stop.signal} after update {result.step}, before the new run had a model"
+        )
+        return 128 + signal.Signals[result.stop.signal].value
     print(json.dumps(result.record()))
     bleu = f"validation BLEU {result.best_bleu:.2f}" if result.best_bleu >= 0 else "no validation data"
     held = f"the model of update {result.model_step} ({bleu if result.model_validated else 'not validated'})"

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,12 +25,16 @@ import torch
 from aiayn import checkpoint
 from aiayn.config import TrainConfig, save_json
 from aiayn.data.prepare import Prepared
-from aiayn.files import TMP_SUFFIX, atomic_write, check_writable_dir, remove_temporaries
+from aiayn.files import TMP_SUFFIX, atomic_write, check_writable_dir, fsync_dir, remove_temporaries
 from aiayn.model import Transformer
 from aiayn.tokenizer import JOINT_FILE, SRC_FILE, TGT_FILE, Tokenizer
 from aiayn.training.log import METRICS, TENSORBOARD, RunLog
 
 RUN_FILE, DATA = "run.json", "data"
+# Where `--force` keeps the run OUT held until the new one has a model: put back if the new run fails
+# or is stopped before that, removed once it has one. Not a temporary name: remove_temporaries must
+# never take it.
+REPLACED = ".replaced-run"
 # What makes OUT hold a run (or a model): a new run refuses such a directory without --force.
 RUN_FILES = (
     checkpoint.CONFIG, checkpoint.WEIGHTS, checkpoint.TRAIN_CONFIG, checkpoint.CHECKPOINTS, RUN_FILE, METRICS,
@@ -61,6 +67,10 @@ class Run:
 
     With several ranks (torchrun) every rank has a Run, but only rank 0's (main) writes: the others
     read what they must to resume, and their logging and saving do nothing.
+
+    Over 200 lines for a reason: deciding, beginning, ending and saving are one policy over one
+    directory (what --force sets aside is put back by the same object that knows no model was saved
+    yet); its clock and metrics are RunLog's, the directory moves module functions.
     """
 
     def __init__(
@@ -80,6 +90,8 @@ class Run:
         self.tokenizer: Tokenizer | None = None
         self.scaler: torch.amp.GradScaler | None = None  # fp16: its state goes into every checkpoint
         self.train_config: TrainConfig | None = None
+        self.replaced: Path | None = None  # the run OUT held, set aside until this run has a model
+        self.restored = False  # this run ended before its first model and put the replaced one back
 
     # --- Deciding (nothing is written) --------------------------------------------------------------
 
@@ -97,6 +109,8 @@ class Run:
         starts over); force: replace what OUT holds, once the new run's inputs have been checked.
         main, world: this rank is rank 0 of `world` (every rank must open before rank 0 begins)."""
         out = check_writable_dir(out, "run directory")
+        if main:
+            recover_replaced(out)
         held = [name for name in RUN_FILES if (out / name).exists()]
         has_checkpoint = bool(checkpoint.list_checkpoints(out))
         if mode == "resume" and has_checkpoint:
@@ -167,7 +181,10 @@ class Run:
     ) -> Progress:
         """Prepare OUT: a resume checks `settings` against the run's own and loads its last checkpoint
         into model, optimizer and fp16's loss scaler; a replacement removes the old run first; a corpus
-        prepared for this run (staged in OUT) moves to OUT/data. -> Progress."""
+        prepared for this run (staged in OUT) moves to OUT/data. -> Progress.
+
+        A replaced run is set aside whole, not removed, until this run has written its first model:
+        anything that ends this run before that (an error, a signal) puts it back as it was."""
         self.tokenizer, self.train_config, self.scaler = data.tokenizer, train_config, scaler
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +207,7 @@ class Run:
             if self.main:
                 self.log.truncate(state.metrics_bytes)
         elif self.main and self.start == "replace":
-            self.remove_run()
+            self.replaced = set_aside(self.out)
         if self.main:
             if self.staged(data):
                 data.commit(self.data_dir)
@@ -206,7 +223,7 @@ class Run:
         return state
 
     def remove_run(self) -> None:
-        """Remove what the replaced run left in OUT; its model goes first, so OUT is never half of it."""
+        """Remove what this run wrote in OUT; its model goes first, so OUT is never half of it."""
         for name in (checkpoint.CONFIG, *RUN_FILES):
             path = self.out / name
             if path.is_dir() and not path.is_symlink():
@@ -214,19 +231,36 @@ class Run:
             else:
                 path.unlink(missing_ok=True)
 
+    @property
+    def replacing(self) -> bool:
+        """Whether the run OUT held is still set aside: this run has no model yet."""
+        return self.replaced is not None
+
+    def keep_replacement(self) -> None:
+        """This run has its first model: the run it replaced goes."""
+        if self.replaced is not None:
+            shutil.rmtree(self.replaced)
+            self.replaced = None
+
+    def put_back(self) -> None:
+        """The replaced run back in OUT as it was, and what this run wrote gone."""
+        put_back(self.out)
+        self.replaced, self.restored = None, True
+        print(f"aiayn: {self.out} holds the run it held before --force again, as it was", file=sys.stderr)
+
     def __enter__(self) -> Run:
         return self
 
     def __exit__(self, error_type: type | None, error: BaseException | None, traceback: Any) -> None:
-        """Close the log; a new run that failed before its first checkpoint removes what it wrote, so
-        that the corrected command can start again without --force."""
+        """Close the log. A run that ends before its first model (an error, a signal) puts back the run
+        it replaced; a new run that failed before its first checkpoint removes what it wrote, so that
+        the corrected command can start again without --force."""
         self.log.close()
-        if (
-            error_type is not None
-            and self.main
-            and not self.resuming
-            and not checkpoint.list_checkpoints(self.out)
-        ):
+        if not self.main:
+            return
+        if self.replacing:
+            self.put_back()
+        elif error_type is not None and not self.resuming and not checkpoint.list_checkpoints(self.out):
             self.remove_run()
 
     # --- Saving -------------------------------------------------------------------------------------
@@ -255,6 +289,50 @@ class Run:
         if not self.main:
             return
         checkpoint.save_model(self.out, model, self.tokenizer, self.train_config.search)
+        self.keep_replacement()
+
+
+# --- --force: the replaced run set aside until the new one has a model -------------------------------
+
+
+def set_aside(out: Path) -> Path:
+    """Move everything OUT holds into OUT/.replaced-run, but the temporaries of the new run (the corpus
+    it prepared, staged): -> that directory."""
+    aside = out / REPLACED
+    aside.mkdir()
+    for path in list(out.iterdir()):
+        if path != aside and not (path.name.startswith(".") and path.name.endswith(TMP_SUFFIX)):
+            os.replace(path, aside / path.name)
+    fsync_dir(out)
+    return aside
+
+
+def recover_replaced(out: Path) -> None:
+    """A run replaced with --force whose replacement was killed: put it back if the replacement never
+    wrote a model, else remove it (killed between the model and the removal)."""
+    aside = out / REPLACED
+    if not aside.is_dir():
+        return
+    if (out / checkpoint.CONFIG).is_file():
+        shutil.rmtree(aside)
+    else:
+        put_back(out)
+
+
+def put_back(out: Path) -> None:
+    """Everything in OUT but OUT/.replaced-run removed, then what that holds moved back into OUT."""
+    aside = out / REPLACED
+    for path in list(out.iterdir()):
+        if path == aside:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    for path in list(aside.iterdir()):
+        os.replace(path, out / path.name)
+    aside.rmdir()
+    fsync_dir(out)
 
 
 def check_settings(out: Path, settings: dict[str, Any], last: Path, world: int) -> None:

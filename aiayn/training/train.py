@@ -175,7 +175,8 @@ def train(
                     break
             stop = stop or Stop("max_epochs")
         if stop.signal is not None:  # a second Ctrl-C from here on stops at once
-            save_on_signal(run, model, optimizer, state)
+            if not run.replacing:  # (else the run it replaces comes back instead, as it was)
+                save_on_signal(run, model, optimizer, state)
         elif state.validated_step != state.step:  # every other stop ends on a validated model
             validate_and_save(run, validation, model, optimizer, state, scheduled=False)
     final = final_validation(run, validation, state, device) if stop.signal is None else None
@@ -230,6 +231,7 @@ class Result:
     model_validated: bool  # False: a signal stopped the run before its first validation
     checkpoint: Path | None  # the last checkpoint, to resume from (None on ranks other than 0)
     final: Final | None = None  # the end-of-run validation with the real search (rank 0, validation data)
+    restored: bool = False  # stopped before its first model: OUT holds the run it replaced, as it was
 
     def record(self) -> dict[str, Any]:
         reason = self.stop.reason if self.stop.signal is None else f"signal {self.stop.signal}"
@@ -238,6 +240,8 @@ class Result:
 
 def finish(run: Run, state: Progress, stop: Stop, final: Final | None = None) -> Result:
     validated = state.best_step <= state.validated_step
+    if run.restored:  # OUT is the replaced run again: nothing of this one is written there
+        return Result(stop, state.step, state.best_bleu, -1, False, None, None, restored=True)
     last = run.last_checkpoint() if run.main else None
     result = Result(stop, state.step, state.best_bleu, state.best_step, validated, last, final)
     run.log.record(result.record())

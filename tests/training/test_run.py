@@ -94,6 +94,94 @@ def test_force_replaces_the_whole_old_run(data, tmp_path):
     assert Translator.load(out, device="cpu").model.config.src_vocab_size == 280
 
 
+def failing(stage: str, monkeypatch) -> None:
+    """Make the next run fail at `stage`, after OUT has been prepared for it (a replaced run set aside)."""
+    from aiayn.training import train as train_module
+
+    def fail(*args, **kwargs):
+        raise ValueError(f"failed at {stage}")
+
+    if stage == "batching":
+        monkeypatch.setattr(train_module, "update_groups", fail)
+    elif stage == "first update":
+        monkeypatch.setattr(train_module, "train_step", fail)
+    elif stage == "first validation":
+        monkeypatch.setattr(train_module.Validation, "__call__", fail)
+    elif stage == "first model: disk full":
+
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(checkpoint, "write_weights", full)
+    else:  # a signal before the first update
+        real = train_module.stop_reason
+
+        def stop_reason(state, cfg, run, signals):
+            return (
+                train_module.Stop("signal", "SIGINT") if state.step == 0 else real(state, cfg, run, signals)
+            )
+
+        monkeypatch.setattr(train_module, "stop_reason", stop_reason)
+
+
+@pytest.mark.parametrize(
+    "stage", ["batching", "first update", "first validation", "first model: disk full", "signal"]
+)
+def test_force_that_fails_before_its_first_model_puts_the_old_run_back_byte_for_byte(
+    data, tmp_path, monkeypatch, stage
+):
+    """--force sets the old run aside until the new one has written a model; anything that ends the new
+    run before that puts it back as it was (and says so), so that it still resumes. (It was removed
+    when the new run began: a failure after that left OUT with neither.)"""
+    out = trained(data, tmp_path / "run")
+    (out / "notes.txt").write_text("the user's own file\n")
+    before = snapshot(out)
+    with monkeypatch.context() as patch:
+        failing(stage, patch)
+        code, _, stderr = run_cli(tiny(data, out, "--force", "--vocab-size", 280))
+    assert code != 0 and "Traceback" not in stderr, stderr
+    assert "holds the run it held before --force again, as it was" in stderr
+    if stage == "signal":
+        assert code == 130 and "before the new run had a model" in stderr
+    else:
+        assert_one_line_error(
+            code, stderr, "No space left on device" if "disk" in stage else f"failed at {stage}"
+        )
+    assert snapshot(out) == before and not (out / ".replaced-run").exists()
+    code, _, stderr = run_cli(
+        tiny(data, out, "--valid", f"{data.parent}/valid", "--resume", "--max-updates", 3)
+    )
+    assert code == 0, stderr
+    assert [r["step"] for r in read_metrics(out) if r.get("event") == "stop"] == [2, 3]
+
+
+def test_a_force_run_killed_before_its_first_model_gets_the_old_run_back_at_the_next_start(data, tmp_path):
+    """A replacement killed (no error handling ran) while the old run is set aside: the next command on
+    OUT puts it back before deciding anything; killed after its first model, the old run is removed."""
+    out = trained(data, tmp_path / "run")
+    before = snapshot(out)
+    run = Run.open(out, "force", progress=False)
+    from aiayn.training.run import set_aside
+
+    set_aside(run.out)
+    (out / RUN_FILE).write_text("{}")  # the replacement had begun
+    code, _, stderr = run_cli(
+        tiny(data, out, "--valid", f"{data.parent}/valid", "--resume", "--max-updates", 3)
+    )
+    assert code == 0, stderr
+    records = read_metrics(out)
+    assert [r["step"] for r in records if r.get("event") == "stop"] == [2, 3]  # the old run, resumed
+    assert {k: v for k, v in snapshot(out).items() if k in before and "step_00000002" in k} == {
+        k: v for k, v in before.items() if "step_00000002" in k
+    }
+    set_aside(out)  # now killed just after the replacement's first model
+    shutil.copytree(out / ".replaced-run", tmp_path / "new")
+    for name in os.listdir(tmp_path / "new"):
+        os.replace(tmp_path / "new" / name, out / name)
+    Run.open(out, "resume", progress=False)
+    assert not (out / ".replaced-run").exists() and (out / checkpoint.CONFIG).is_file()
+
+
 # --- Resuming ---------------------------------------------------------------------------------------
 
 
