@@ -10,7 +10,9 @@ directory (a checkpoint, an export) filled under a temporary name and renamed in
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -55,14 +57,51 @@ def stage(path: Path, write: Callable[[Path], Any]) -> Path:
     os.close(fd)
     tmp = Path(name)
     try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        with writing(path):
+            write(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         tmp.chmod(0o644)  # mkstemp makes it private; models and translations are not secrets
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return tmp
+
+
+@contextlib.contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Writing `path` (a file or a directory being filled): a storage failure inside the block is
+    raised as the OSError it stands for, naming `path`, whatever the library that wrote reported it as
+    (safetensors' SafetensorError, torch.save's RuntimeError "unexpected pos", a bare write's OSError
+    without a file name), so that the command line says it in one line. Other errors pass unchanged."""
+    try:
+        yield
+    except Exception as error:
+        mapped = storage_error(error, Path(path))
+        if mapped is error:
+            raise
+        raise mapped from error
+
+
+def storage_error(error: Exception, path: Path) -> Exception:
+    """error as an OSError naming path, when it is a failure to store (else error itself). Asked while
+    the failed write is still on disk, so that a full disk still shows full."""
+    if isinstance(error, ValueError):  # the word for a user's mistake, never a storage failure
+        return error
+    if isinstance(error, OSError):
+        named = error.filename is not None and TMP_SUFFIX not in str(error.filename)
+        return error if named else OSError(error.errno, error.strerror or str(error), str(path))
+    code = re.search(r"os error (\d+)", str(error))  # Rust's std::io::Error, as safetensors words it
+    if code:
+        return OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
+    directory = path if path.is_dir() else path.parent
+    try:
+        full = os.statvfs(directory).f_bavail == 0
+    except OSError as e:  # the directory vanished, or cannot be reached any more
+        return OSError(e.errno, e.strerror, str(path))
+    if full:  # torch.save reports a short write as "unexpected pos"
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return error
 
 
 def write_set(
@@ -113,7 +152,8 @@ def staged_dir(final: Path) -> Iterator[Path]:
         raise OSError(e.errno, e.strerror, str(final)) from None
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private, like mkstemp in stage
-        yield tmp
+        with writing(final):
+            yield tmp
         replace_dir(tmp, final)
     finally:
         if tmp.exists():
@@ -121,12 +161,23 @@ def staged_dir(final: Path) -> Iterator[Path]:
 
 
 def replace_dir(directory: Path, dest: Path) -> None:
-    """Rename `directory` to `dest`, removing what dest held first (a rename cannot replace a directory
-    that is not empty), and sync their parent."""
+    """Rename `directory` to `dest` and sync their parent. What dest held (a rename cannot replace a
+    directory that is not empty) is renamed aside first and removed only once the new one is in place, so
+    a failure leaves the old one where it was (a kill in the microseconds between the two renames leaves
+    it beside dest under a temporary name)."""
+    aside = None
     if dest.exists():
-        shutil.rmtree(dest)
-    os.replace(directory, dest)
+        aside = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.replaced.", suffix=TMP_SUFFIX))
+        os.replace(dest, aside)  # (over the empty directory just made)
+    try:
+        os.replace(directory, dest)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside, dest)
+        raise
     fsync_dir(dest.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -6,6 +6,7 @@ model directories and state files (test_checkpoint.py), config and CLI errors (t
 """
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -490,3 +491,97 @@ def test_other_runtime_errors_are_not_called_out_of_memory(tokenizer, tmp_path, 
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         cfg = TrainConfig(max_updates=1)
         run_train(tmp_path, tiny_model(tokenizer).config, cfg, tokenizer, corpus_of(tokenizer, 20))
+
+
+# --- A full disk ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 16 MB tmpfs at tmp_path/disk: mounting needs root (CI runs as root); skipped where it is refused."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small disk needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Write zeros into disk/filler until the disk is full; removing it gives the space back."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes_to_the_same_weights(
+    small_disk, tmp_path, monkeypatch
+):
+    """The disk fills while update 2's checkpoint is written (torch.save's RuntimeError and safetensors'
+    SafetensorError were tracebacks): one line naming the checkpoint and what to do; with the space back,
+    --resume ends with the weights of a run that never stopped. A resume on the still-full disk is one
+    line too."""
+    prefix = write_parallel(tmp_path / "c", SRC[:200], TGT[:200])
+    flags = [
+        "--max-updates",
+        3,
+        "--set",
+        "valid_every=1",
+        "--valid",
+        write_parallel(tmp_path / "v", SRC[200:], TGT[200:]),
+    ]
+    code, _, stderr = run(*tiny_train(prefix, tmp_path / "ref", *flags))
+    assert code == 0, stderr
+    out, real, filler = small_disk / "run", checkpoint.save_checkpoint, []
+
+    def save_on_a_full_disk(directory, step, *args, **kwargs):
+        if step == 2 and not filler:
+            filler.append(fill(small_disk))
+        return real(directory, step, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "save_checkpoint", save_on_a_full_disk)
+        code, _, stderr = run(*tiny_train(prefix, out, *flags))
+    assert_one_line_error(
+        code, stderr, str(out / "checkpoints" / "step_00000002"), "disk is full", "--resume"
+    )
+    code, _, stderr = run(*tiny_train(prefix, out, *flags, "--resume"))
+    assert_one_line_error(code, stderr, str(out), "disk is full")
+    filler[0].unlink()
+    code, _, stderr = run(*tiny_train(prefix, out, *flags, "--resume"))
+    assert code == 0, stderr
+    want, got = (safetensors.torch.load_file(str(d / "model.safetensors")) for d in (tmp_path / "ref", out))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_prepare_and_export_on_a_full_disk_are_one_line_and_leave_nothing_behind(
+    small_disk, tmp_path, model_dir
+):
+    """prepare's corpus and the CTranslate2 and Keras exports on a full disk: one line naming the output;
+    no temporary left on the disk."""
+    prefix = write_parallel(tmp_path / "c", SRC[:200], TGT[:200])
+    fill(small_disk)
+    code, _, stderr = run("prepare", "--train", prefix, "--src-lang", "en", "--tgt-lang", "xx",
+                          "--vocab-size", 300, "--out", small_disk / "prepared")  # fmt: skip
+    assert_one_line_error(code, stderr, str(small_disk / "prepared"), "disk is full")
+    exports = [("ctranslate2", "ctranslate2", small_disk / "ct2"), ("keras", "keras", small_disk / "m.keras")]
+    for package, form, dest in exports:
+        if importlib.util.find_spec(package) is None:
+            continue
+        code, _, stderr = run("export", model_dir, "--format", form, "--out", dest)
+        assert_one_line_error(code, stderr, str(dest), "disk is full")
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]

@@ -4,9 +4,11 @@ user's mistake into one `aiayn: error:` line."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
+from types import MappingProxyType
 
 from aiayn.cli import models, serve, train, translate
 from aiayn.training.distributed import env_rank
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         # (a full disk, a permission) after the checks; both are one line, without a traceback.
         if args.debug:
             raise
-        text = str(e) if isinstance(e, ValueError) else f"{e.filename or ''}: {e.strerror or e}"
+        text = str(e) if isinstance(e, ValueError) else storage_line(e, args.command)
         rank = f"rank {env_rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"aiayn: error: {rank}{text}", file=sys.stderr)
         return 2
@@ -56,6 +58,30 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("aiayn: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT.value
+
+
+# What to do about a file the system refused, by errno: the message names the path, this says the way on.
+ADVICE = MappingProxyType(
+    {
+        errno.ENOSPC: "the disk is full: free some space (or write elsewhere) and run the command again",
+        errno.EDQUOT: "the disk quota is used up: free some space (or write elsewhere) and run the command again",
+        errno.EROFS: "the file system is read-only: write elsewhere",
+        errno.EACCES: "permission denied: write elsewhere, or change the permissions",
+        errno.EPERM: "not permitted: write elsewhere, or change the permissions",
+        errno.ENOENT: "it is not there (removed while the command ran?)",
+    }
+)
+
+
+def storage_line(e: OSError, command: str) -> str:
+    """An OSError as one line: the path, the system's word and what to do; a training run adds that
+    what it saved is intact."""
+    line = f"{e.filename or ''}: {e.strerror or e}"
+    if e.errno in ADVICE:
+        line += f" ({ADVICE[e.errno]})"
+    if command == "train":
+        line += "; what was saved is intact (to continue from the last checkpoint: the same command plus --resume)"
+    return line
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from aiayn.data.corpus import (
     rereadable,
     text_digest,
 )
-from aiayn.files import TMP_SUFFIX, check_replaceable, replace_dir, write_text
+from aiayn.files import TMP_SUFFIX, check_replaceable, replace_dir, write_text, writing
 from aiayn.tokenizer import BOS_ID, PAD_ID, Tokenizer
 
 MANIFEST, VALID = "manifest.json", "valid.json"
@@ -230,48 +230,49 @@ def prepare(
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=TMP_SUFFIX))
     try:
-        tmp.chmod(0o755)
-        name = (source or {}).get("train") or "the training data"
-        held = None  # (n,) True at the kept pairs held out for validation
-        if valid_fraction is not None or tokenizer is None:
-            n = sum(1 for _ in _cleaned(pairs))  # which pairs to hold out and sample depends on how many
-            if valid_fraction is not None:
-                held = held_out(n, valid_fraction, seed)
-        bpe_dropout, why = options.bpe_dropout or 0.0, ""
-        if tokenizer is None:
-            trainable = n - (int(held.sum()) if held is not None else 0)
-            if not trainable:
+        with writing(dest):  # a full disk names the corpus being written, not its temporary name
+            tmp.chmod(0o755)
+            name = (source or {}).get("train") or "the training data"
+            held = None  # (n,) True at the kept pairs held out for validation
+            if valid_fraction is not None or tokenizer is None:
+                n = sum(1 for _ in _cleaned(pairs))  # which pairs to hold out and sample depends on how many
+                if valid_fraction is not None:
+                    held = held_out(n, valid_fraction, seed)
+            bpe_dropout, why = options.bpe_dropout or 0.0, ""
+            if tokenizer is None:
+                trainable = n - (int(held.sum()) if held is not None else 0)
+                if not trainable:
+                    raise ValueError(f"{name}: no training pairs left after dropping empty lines")
+                tokenizer, bpe_dropout, why = _learn_tokenizer(pairs, held, trainable, options, seed, say)
+            tokenizer.save(tmp)
+            views = []
+            if bpe_dropout:
+                views = [tokenizer.with_dropout(bpe_dropout, options.bpe_dropout_target)] * options.views
+                sides = "" if options.bpe_dropout_target else " (their sources)"
+                say(
+                    f"BPE-dropout {bpe_dropout}{why}: {len(views)} more segmentations of the training pairs{sides}"
+                )
+            report, held_pairs = _encode(tmp, pairs, held, tokenizer, views)
+            say(f"training pairs: {report}")
+            if report["kept"] - len(held_pairs[0]) == 0:
                 raise ValueError(f"{name}: no training pairs left after dropping empty lines")
-            tokenizer, bpe_dropout, why = _learn_tokenizer(pairs, held, trainable, options, seed, say)
-        tokenizer.save(tmp)
-        views = []
-        if bpe_dropout:
-            views = [tokenizer.with_dropout(bpe_dropout, options.bpe_dropout_target)] * options.views
-            sides = "" if options.bpe_dropout_target else " (their sources)"
-            say(
-                f"BPE-dropout {bpe_dropout}{why}: {len(views)} more segmentations of the training pairs{sides}"
+            if valid_fraction is not None:
+                valid = held_pairs
+            valid_src, valid_tgt = valid if valid is not None else ([], [])
+            write_text(tmp / VALID, json.dumps({"src": valid_src, "tgt": valid_tgt}, ensure_ascii=False))
+            manifest = json.loads((tmp / MANIFEST).read_text())
+            manifest.update(
+                src_lang=src_lang,
+                tgt_lang=tgt_lang,
+                valid_data=text_digest(zip(valid_src, valid_tgt)),
+                held_out=len(held_pairs[0]),
+                source=source or {},
+                tokenizer={"vocab_size": tokenizer.src_vocab_size, "joint": tokenizer.joint},
+                bpe_dropout=bpe_dropout,
+                **({} if options.bpe_dropout_target or not views else {"bpe_dropout_sides": "source"}),
             )
-        report, held_pairs = _encode(tmp, pairs, held, tokenizer, views)
-        say(f"training pairs: {report}")
-        if report["kept"] - len(held_pairs[0]) == 0:
-            raise ValueError(f"{name}: no training pairs left after dropping empty lines")
-        if valid_fraction is not None:
-            valid = held_pairs
-        valid_src, valid_tgt = valid if valid is not None else ([], [])
-        write_text(tmp / VALID, json.dumps({"src": valid_src, "tgt": valid_tgt}, ensure_ascii=False))
-        manifest = json.loads((tmp / MANIFEST).read_text())
-        manifest.update(
-            src_lang=src_lang,
-            tgt_lang=tgt_lang,
-            valid_data=text_digest(zip(valid_src, valid_tgt)),
-            held_out=len(held_pairs[0]),
-            source=source or {},
-            tokenizer={"vocab_size": tokenizer.src_vocab_size, "joint": tokenizer.joint},
-            bpe_dropout=bpe_dropout,
-            **({} if options.bpe_dropout_target or not views else {"bpe_dropout_sides": "source"}),
-        )
-        write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-        return open_prepared(tmp)
+            write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            return open_prepared(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -450,7 +451,7 @@ def prepare_files(
         fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.spool.", suffix=TMP_SUFFIX)
         os.close(fd)
         spool = Path(name)
-        with open(spool, "w", encoding="utf-8") as f:
+        with writing(dest), open(spool, "w", encoding="utf-8") as f:
             for pair in iter_pairs(train, src_lang, tgt_lang, errors=errors, data_files=data_files):
                 f.write(json.dumps(pair) + "\n")  # exact, tabs and lone surrogates included
     try:

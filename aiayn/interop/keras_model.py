@@ -525,7 +525,7 @@ def from_aiayn(model_dir: str | Path) -> keras.Model:
 def export_keras(model_dir: str | Path, out: str | Path, force: bool = False) -> Path:
     """Write model directory MODEL_DIR as a .keras file OUT, loadable with keras.saving.load_model once
     this module is imported. OUT is written under a temporary name and renamed: never half written."""
-    from aiayn.files import TMP_SUFFIX, check_replaceable, fsync_dir
+    from aiayn.files import TMP_SUFFIX, check_replaceable, fsync_dir, writing
 
     out = Path(out)
     if out.suffix != ".keras":
@@ -537,7 +537,8 @@ def export_keras(model_dir: str | Path, out: str | Path, force: bool = False) ->
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=TMP_SUFFIX))
     try:
-        model.save(tmp / out.name)  # Keras wants the .keras name; the directory is the temporary part
+        with writing(out):  # a full disk names the file asked for
+            model.save(tmp / out.name)  # Keras wants the .keras name; the directory is the temporary part
         os.replace(tmp / out.name, out)
         fsync_dir(out.parent)
     finally:

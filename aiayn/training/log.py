@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from aiayn.files import atomic_write
+from aiayn.files import atomic_write, writing
 
 METRICS, TENSORBOARD = "metrics.jsonl", "tensorboard"
 
@@ -76,7 +76,7 @@ class RunLog:
         """Append to OUT/metrics.jsonl; numbers also go to TensorBoard; echo: also to the terminal."""
         if not self.main:
             return
-        with open(self.out / METRICS, "a") as f:
+        with writing(self.out / METRICS), open(self.out / METRICS, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None and "step" in record:
             for key, value in record.items():

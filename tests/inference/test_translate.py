@@ -172,7 +172,9 @@ def test_transposed_weights_are_the_same_model_in_another_layout(model, tokenize
     )
 
 
-@pytest.mark.parametrize(("max_sentences", "sizes"), [(64, [1, 2, 4, 8, 16, 32]), (5, [1, 2, 4, 5]), (1, [1])])
+@pytest.mark.parametrize(
+    ("max_sentences", "sizes"), [(64, [1, 2, 4, 8, 16, 32]), (5, [1, 2, 4, 5]), (1, [1])]
+)
 def test_warm_up_searches_once_with_each_batch_size_that_has_graphs_of_its_own(
     model, tokenizer, monkeypatch, max_sentences, sizes
 ):
