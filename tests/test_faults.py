@@ -528,13 +528,14 @@ def fill(disk: Path) -> Path:
     return filler
 
 
-def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes_to_the_same_weights(
-    small_disk, tmp_path, monkeypatch
+@pytest.mark.parametrize("save", ["save_checkpoint", "save_model"])
+def test_a_full_disk_at_a_save_is_one_line_and_the_run_resumes_to_the_same_weights(
+    small_disk, tmp_path, monkeypatch, save
 ):
-    """The disk fills while update 2's checkpoint is written (torch.save's RuntimeError and safetensors'
-    SafetensorError were tracebacks): one line naming the checkpoint and what to do; with the space back,
-    --resume ends with the weights of a run that never stopped. A resume on the still-full disk is one
-    line too."""
+    """The disk fills while update 2's checkpoint, or OUT's model, is written (torch.save's RuntimeError
+    and safetensors' SafetensorError were tracebacks): one line naming what was being written and what
+    to do; with the space back, --resume ends with the weights of a run that never stopped. A resume on
+    the still-full disk is one line too."""
     prefix = write_parallel(tmp_path / "c", SRC[:200], TGT[:200])
     flags = [
         "--max-updates",
@@ -546,19 +547,22 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes_to_the_same
     ]
     code, _, stderr = run(*tiny_train(prefix, tmp_path / "ref", *flags))
     assert code == 0, stderr
-    out, real, filler = small_disk / "run", checkpoint.save_checkpoint, []
+    from aiayn.training.run import Run
 
-    def save_on_a_full_disk(directory, step, *args, **kwargs):
-        if step == 2 and not filler:
+    owner = checkpoint if save == "save_checkpoint" else Run  # update 2's checkpoint; OUT's first model
+    out, real, filler, calls = small_disk / "run", getattr(owner, save), [], []
+
+    def save_on_a_full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == (2 if owner is checkpoint else 1) and not filler:
             filler.append(fill(small_disk))
-        return real(directory, step, *args, **kwargs)
+        return real(*args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "save_checkpoint", save_on_a_full_disk)
+        patch.setattr(owner, save, save_on_a_full_disk)
         code, _, stderr = run(*tiny_train(prefix, out, *flags))
-    assert_one_line_error(
-        code, stderr, str(out / "checkpoints" / "step_00000002"), "disk is full", "--resume"
-    )
+    named = out / "checkpoints" / "step_00000002" if owner is checkpoint else out / "model.safetensors"
+    assert_one_line_error(code, stderr, str(named), "disk is full", "--resume")
     code, _, stderr = run(*tiny_train(prefix, out, *flags, "--resume"))
     assert_one_line_error(code, stderr, str(out), "disk is full")
     filler[0].unlink()
