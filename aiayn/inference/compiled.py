@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from aiayn.files import writing
 from aiayn.inference.search import BeamLive, BeamStep, Decoder, GreedyStep, beam_candidates, greedy_candidates
 from aiayn.model import DecoderCache, Memory, Transformer
 from aiayn.precision import Int8Linear, cpu_flags, cpu_info
@@ -420,11 +421,12 @@ class CompiledDecoder(Decoder):
                 program = torch.export.export(module, example, dynamic_shapes={"args": shapes}, strict=False)
                 temporary = path.with_name(f".{os.getpid()}.{path.name}")  # a name of its own, ending .pt2
                 try:
-                    torch._inductor.aoti_compile_and_package(
-                        program,
-                        package_path=str(temporary),
-                        inductor_configs={"freezing": True, **self.options},
-                    )
+                    with writing(path):  # a full disk: one line naming the store, not inductor's error
+                        torch._inductor.aoti_compile_and_package(
+                            program,
+                            package_path=str(temporary),
+                            inductor_configs={"freezing": True, **self.options},
+                        )
                     os.replace(temporary, path)
                 finally:
                     temporary.unlink(missing_ok=True)
