@@ -86,7 +86,7 @@ def add_train(sub: Any) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="start over: replace the run in --out once the inputs are checked",
+        help="start over: replace the run in --out (kept aside until the new run has a model, put back if it fails first)",
     )
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_train)
