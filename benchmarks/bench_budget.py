@@ -28,7 +28,7 @@ Configurations (both directions):
 Prints a line per run as it ends, then the tables (markdown) and writes the BLEU-against-minutes plot.
 runs/ is scratch, lost with the machine; what each run measured is also kept in docs/m30k_budget.json
 (committed) with the machine and date it ran on, and the tables and plot are made from that record, so
-figures of runs trained in other sessions, on other CPUs, stay in them, each with its machine.
+figures of runs trained at other times, on other CPUs, stay in them, each with its machine.
 """
 
 from __future__ import annotations

@@ -72,18 +72,17 @@ class Ranks:
 
     def sum(self, values: list[float], device: torch.device) -> list[float]:
         """Element-wise sums over the ranks, in float64 (token counts stay exact)."""
-        if self.world == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.tolist()
+        return self._all_reduce(values, torch.float64, dist.ReduceOp.SUM, device)
 
     def max(self, values: list[int], device: torch.device) -> list[int]:
         """Element-wise maxima over the ranks: what one rank flags, all see."""
+        return self._all_reduce(values, torch.int64, dist.ReduceOp.MAX, device)
+
+    def _all_reduce(self, values: list, dtype: torch.dtype, op: Any, device: torch.device) -> list:
         if self.world == 1:
             return values
-        t = torch.tensor(values, dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor(values, dtype=dtype, device=device)
+        dist.all_reduce(t, op=op)
         return t.tolist()
 
     def share(self, value: Any) -> Any:

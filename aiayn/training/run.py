@@ -180,7 +180,7 @@ class Run:
         scaler: torch.amp.GradScaler | None = None,
     ) -> Progress:
         """Prepare OUT: a resume checks `settings` against the run's own and loads its last checkpoint
-        into model, optimizer and fp16's loss scaler; a replacement removes the old run first; a corpus
+        into model, optimizer and fp16's loss scaler; a replacement sets the old run aside; a corpus
         prepared for this run (staged in OUT) moves to OUT/data. -> Progress.
 
         A replaced run is set aside whole, not removed, until this run has written its first model:
@@ -300,7 +300,9 @@ def set_aside(out: Path) -> Path:
     it prepared, staged): -> that directory."""
     aside = out / REPLACED
     aside.mkdir()
-    for path in list(out.iterdir()):
+    # config.json first: then a config.json in OUT beside the aside is the new run's (recover_replaced)
+    paths = sorted(out.iterdir(), key=lambda path: path.name != checkpoint.CONFIG)
+    for path in paths:
         if path != aside and not (path.name.startswith(".") and path.name.endswith(TMP_SUFFIX)):
             os.replace(path, aside / path.name)
     fsync_dir(out)
