@@ -27,7 +27,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
     path = Path(path)
     tmp = stage(path, write)
     try:
-        os.replace(tmp, path)
+        rename(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
@@ -123,11 +123,11 @@ def write_set(
         fsync_dir(directory)
         for name, tmp in staged.items():
             if name != last:
-                os.replace(tmp, directory / name)
+                rename(tmp, directory / name)
         for name in stale:
             (directory / name).unlink(missing_ok=True)
         fsync_dir(directory)
-        os.replace(staged[last], directory / last)
+        rename(staged[last], directory / last)
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
@@ -170,7 +170,7 @@ def replace_dir(directory: Path, dest: Path) -> None:
         aside = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.replaced.", suffix=TMP_SUFFIX))
         os.replace(dest, aside)  # (over the empty directory just made)
     try:
-        os.replace(directory, dest)
+        rename(directory, dest)
     except BaseException:
         if aside is not None:
             os.replace(aside, dest)
@@ -178,6 +178,15 @@ def replace_dir(directory: Path, dest: Path) -> None:
     fsync_dir(dest.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def rename(source: Path, dest: Path) -> None:
+    """os.replace, whose failure (a directory where a file goes, a read-only disk) names dest, the path the
+    user knows, not the temporary one."""
+    try:
+        os.replace(source, dest)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(dest)) from None
 
 
 def fsync_dir(directory: Path) -> None:

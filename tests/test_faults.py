@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -572,20 +573,123 @@ def test_a_full_disk_at_a_save_is_one_line_and_the_run_resumes_to_the_same_weigh
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_prepare_and_export_on_a_full_disk_are_one_line_and_leave_nothing_behind(
+def contents(directory: Path) -> dict[str, bytes]:
+    """Every file under directory by relative path: what "byte for byte as it was" compares."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+
+
+def test_prepare_and_export_on_a_full_disk_are_one_line_and_keep_what_they_replace(
     small_disk, tmp_path, model_dir
 ):
-    """prepare's corpus and the CTranslate2 and Keras exports on a full disk: one line naming the output;
-    no temporary left on the disk."""
+    """prepare's corpus and the CTranslate2 and Keras exports, replacing (--force) what an earlier
+    command wrote, on a full disk: one line naming the output; the earlier output byte for byte as it
+    was; no temporary left on the disk."""
     prefix = write_parallel(tmp_path / "c", SRC[:200], TGT[:200])
-    fill(small_disk)
-    code, _, stderr = run("prepare", "--train", prefix, "--src-lang", "en", "--tgt-lang", "xx",
-                          "--vocab-size", 300, "--out", small_disk / "prepared")  # fmt: skip
-    assert_one_line_error(code, stderr, str(small_disk / "prepared"), "disk is full")
-    exports = [("ctranslate2", "ctranslate2", small_disk / "ct2"), ("keras", "keras", small_disk / "m.keras")]
-    for package, form, dest in exports:
-        if importlib.util.find_spec(package) is None:
-            continue
-        code, _, stderr = run("export", model_dir, "--format", form, "--out", dest)
-        assert_one_line_error(code, stderr, str(dest), "disk is full")
-    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
+    commands = [("prepare", "--train", prefix, "--src-lang", "en", "--tgt-lang", "xx", "--vocab-size", 300,
+                 "--out", small_disk / "prepared")]  # fmt: skip
+    for package, form, dest in [("ctranslate2", "ctranslate2", "ct2"), ("keras", "keras", "m.keras")]:
+        if importlib.util.find_spec(package) is not None:
+            commands.append(("export", model_dir, "--format", form, "--out", small_disk / dest))
+    for command in commands:
+        code, _, stderr = run(*command)
+        assert code == 0, stderr
+    before = contents(small_disk)
+    filler = fill(small_disk)
+    for command in commands:
+        code, _, stderr = run(*command, "--force")
+        assert_one_line_error(code, stderr, str(command[-1]), "disk is full")
+    filler.unlink()
+    assert contents(small_disk) == before
+
+
+def test_outputs_on_a_full_disk_are_one_line_and_keep_what_they_replace(small_disk, tmp_path):
+    """translate's output, the plots, an average replacing a model (--force) and a shortlist replacing
+    a model's vmap.txt, on a full disk: one line naming the file and what to do; what they would have
+    replaced byte for byte as it was."""
+    prefix = write_parallel(tmp_path / "c", SRC[:200], TGT[:200])
+    valid = write_parallel(tmp_path / "v", SRC[200:], TGT[200:])
+    run_dir = tmp_path / "run"
+    flags = ["--max-updates", 2, "--set", "valid_every=1", "--valid", valid]
+    code, _, stderr = run(*tiny_train(prefix, run_dir, *flags))
+    assert code == 0, stderr
+    source = tmp_path / "source.txt"
+    source.write_text("".join(line + "\n" for line in SRC[:3]))
+    model, translation, plots = small_disk / "model", small_disk / "out.txt", small_disk / "plots"
+    commands = [
+        ("average", run_dir, "--last", 2, "--out", model, "--force"),
+        ("shortlist", model, "--data", run_dir / "data"),
+        ("translate", model, "--input", source, "--output", translation),
+        ("plot", run_dir, "--out", plots, "--sentence", SRC[0]),
+    ]
+    for command in commands:
+        code, _, stderr = run(*command)
+        assert code == 0, stderr
+    before = contents(small_disk)
+    filler = fill(small_disk)
+    for command, named in zip(commands, [model, model / "vmap.txt", translation, plots]):
+        code, _, stderr = run(*command)
+        assert_one_line_error(code, stderr, str(named), "disk is full")
+    filler.unlink()
+    assert contents(small_disk) == before
+
+
+# --- OUT changed under a run -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change", ["read-only", "model replaced", "out removed"])
+def test_out_changed_under_the_run_is_one_line_and_what_was_saved_resumes(
+    small_disk, tmp_path, monkeypatch, change
+):
+    """While a run trains, its disk turns read-only, OUT's model is replaced by a directory, or OUT is
+    removed: one line naming the path (never a checkpoint re-made in a new, empty OUT); once the disk
+    is writable again or the directory moved away, --resume ends with the weights of a run that never
+    stopped."""
+    prefix = write_parallel(tmp_path / "c", SRC[:200], TGT[:200])
+    flags = [
+        "--max-updates",
+        3,
+        "--set",
+        "valid_every=1",
+        "--valid",
+        write_parallel(tmp_path / "v", SRC[200:], TGT[200:]),
+    ]
+    code, _, stderr = run(*tiny_train(prefix, tmp_path / "ref", *flags))
+    assert code == 0, stderr
+    out = small_disk / "run"
+    from aiayn.training.run import Run
+
+    real, calls = Run.save_checkpoint, []
+
+    def changed_at_the_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            if change == "read-only":
+                subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+            elif change == "model replaced":
+                (out / "model.safetensors").unlink()
+                (out / "model.safetensors").mkdir()
+            else:
+                shutil.rmtree(out)
+        return real(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Run, "save_checkpoint", changed_at_the_second)
+        code, _, stderr = run(*tiny_train(prefix, out, *flags))
+    if change == "out removed":
+        assert_one_line_error(code, stderr, str(out), "removed or moved away while the run went on")
+        assert not out.exists()
+        return
+    if change == "read-only":
+        assert_one_line_error(
+            code, stderr, str(out / "checkpoints" / "step_00000002"), "read-only", "--resume"
+        )
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    else:  # the third update's validation is no better: the end of the run rewrites OUT's model
+        assert_one_line_error(code, stderr, str(out / "model.safetensors"), "directory is in its place")
+        (out / "model.safetensors").rmdir()
+    code, _, stderr = run(*tiny_train(prefix, out, *flags, "--resume"))
+    assert code == 0, stderr
+    want, got = (safetensors.torch.load_file(str(d / "model.safetensors")) for d in (tmp_path / "ref", out))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

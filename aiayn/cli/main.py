@@ -69,6 +69,9 @@ ADVICE = MappingProxyType(
         errno.EACCES: "permission denied: write elsewhere, or change the permissions",
         errno.EPERM: "not permitted: write elsewhere, or change the permissions",
         errno.ENOENT: "it is not there (removed while the command ran?)",
+        errno.EISDIR: "a directory is in its place: move that away and run the command again",
+        errno.ENOTDIR: "a file is in the place of a directory on that path: move it away and run the command again",
+        errno.EEXIST: "a file is in the place of the directory: move it away and run the command again",
     }
 )
 
@@ -79,7 +82,7 @@ def storage_line(e: OSError, command: str) -> str:
     line = f"{e.filename or ''}: {e.strerror or e}"
     if e.errno in ADVICE:
         line += f" ({ADVICE[e.errno]})"
-    if command == "train":
+    if command == "train" and e.errno != errno.ENOENT:  # (a directory that vanished took its files along)
         line += "; what was saved is intact (to continue from the last checkpoint: the same command plus --resume)"
     return line
 

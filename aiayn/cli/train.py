@@ -120,8 +120,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         device = ranks.device(args.device)
         mode = "force" if args.force else "resume" if args.resume else "new"
-        run = Run.open(args.out, mode, not args.quiet, args.tensorboard, main=ranks.main, world=ranks.world)
-        ranks.barrier()  # every rank has looked at OUT before rank 0 changes it
+        def open_run() -> Run:
+            return Run.open(args.out, mode, not args.quiet, args.tensorboard, main=ranks.main, world=ranks.world)
+
+        # Rank 0 opens first: it puts back a run that a killed --force left aside, which the others
+        # must not see half moved; then every rank has looked at OUT before rank 0 changes it.
+        run = open_run() if ranks.main else None
+        ranks.barrier()
+        run = run or open_run()
+        ranks.barrier()
         with run.checking():
             data = training_data(args, run, cfg) if ranks.main else None
             if not ranks.main:  # rank 0 prepared it: open its copy before it moves into place

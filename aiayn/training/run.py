@@ -92,6 +92,7 @@ class Run:
         self.train_config: TrainConfig | None = None
         self.replaced: Path | None = None  # the run OUT held, set aside until this run has a model
         self.restored = False  # this run ended before its first model and put the replaced one back
+        self.identity: tuple[int, int] | None = None  # OUT's (device, inode) once begun: see check_out
 
     # --- Deciding (nothing is written) --------------------------------------------------------------
 
@@ -188,6 +189,7 @@ class Run:
         self.tokenizer, self.train_config, self.scaler = data.tokenizer, train_config, scaler
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
+            self.identity = identity(self.out)
         state = Progress()
         if self.resuming:
             last = self.last_checkpoint()
@@ -256,12 +258,22 @@ class Run:
         it replaced; a new run that failed before its first checkpoint removes what it wrote, so that
         the corrected command can start again without --force."""
         self.log.close()
-        if not self.main:
-            return
+        if not self.main or (self.identity is not None and identity(self.out) != self.identity):
+            return  # (an OUT removed under the run took what it held along: nothing to put back)
         if self.replacing:
             self.put_back()
         elif error_type is not None and not self.resuming and not checkpoint.list_checkpoints(self.out):
             self.remove_run()
+
+    def check_out(self) -> None:
+        """OUT is still the directory this run began in. Removed or moved away while the run went on, it
+        took the run's checkpoints along: a save would make a new OUT holding a checkpoint without its
+        history, so the run stops instead."""
+        if identity(self.out) != self.identity:
+            raise ValueError(
+                f"{self.out}: removed or moved away while the run went on, with what it had saved; the run "
+                "stops here (start it again with the same command)"
+            )
 
     # --- Saving -------------------------------------------------------------------------------------
 
@@ -271,6 +283,7 @@ class Run:
         """OUT/checkpoints/step_N with everything a resume needs; older ones pruned, the best one kept."""
         if not self.main:
             return None
+        self.check_out()
         saved = dataclasses.replace(state, minutes=self.log.minutes(), metrics_bytes=self.log.length())
         payload = {"optimizer": optimizer.state_dict(), "progress": asdict(saved), "rng": rng_state()}
         if self.scaler is not None:
@@ -288,11 +301,21 @@ class Run:
         """OUT's model directory: the weights to translate with."""
         if not self.main:
             return
+        self.check_out()
         checkpoint.save_model(self.out, model, self.tokenizer, self.train_config.search)
         self.keep_replacement()
 
 
 # --- --force: the replaced run set aside until the new one has a model -------------------------------
+
+
+def identity(directory: Path) -> tuple[int, int] | None:
+    """(device, inode) of a directory, the same while it is the same directory; None when it is gone."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def set_aside(out: Path) -> Path:

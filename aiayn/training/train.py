@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from aiayn.checkpoint import (
     average_checkpoints,
     checkpoint_path,
+    load_model,
     load_model_config,
     load_state_dict_tied,
 )
@@ -280,7 +282,7 @@ def final_validation(run: Run, validation: Validation, state: Progress, device: 
         return None
     cfg = run.train_config
     search = cfg.search
-    single = validation.score(Translator.load(run.out, search, dtype=cfg.dtype, device=device))
+    single = validation.score(best_model(run, state, search, device))
     # its own snapshots and the checkpoint it ended with; not the validations' checkpoints in between
     steps = sorted({*state.averaging, state.step}) if state.averaging else []
     chosen = [checkpoint_path(run.out, step) for step in steps]
@@ -300,6 +302,24 @@ def final_validation(run: Run, validation: Validation, state: Progress, device: 
     run.log.say(f"final validation, {search.describe()}: best single model {final.single_bleu:.2f}{average}; "
             f"OUT holds the {final.kept}")  # fmt: skip
     return final
+
+
+def best_model(run: Run, state: Progress, search: SearchConfig, device: torch.device) -> Translator:
+    """OUT's model. Removed or damaged while the run went on (a file replaced under it), it is written
+    again from the checkpoint of its update, which is never pruned, so the run still ends whole."""
+    cfg = run.train_config
+    try:
+        return Translator.load(run.out, search, dtype=cfg.dtype, device=device)
+    except ValueError as e:
+        source = checkpoint_path(run.out, state.best_step)
+        if not source.is_dir():
+            raise ValueError(
+                f"{e}: OUT's model was removed or damaged while the run went on, and so was {source}, "
+                "which held it: start again with --force"
+            ) from None
+        print(f"aiayn: {e}: OUT's model is written again from {source}", file=sys.stderr)
+        run.save_model(load_model(source))
+        return Translator.load(run.out, search, dtype=cfg.dtype, device=device)
 
 
 REASONS = ("max_epochs", "max_updates", "max_minutes", "patience")

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
+import httpx
 import pytest
 import torch
 import uvicorn
@@ -336,30 +337,57 @@ def live(translator):
         yield app, port, server
 
 
+def post_urllib(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as answer:
+        return answer.code, json.loads(answer.read())
+
+
+def post_requests(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    requests = pytest.importorskip("requests")
+    response = requests.post(url, data=body, headers=headers, timeout=60)
+    return response.status_code, response.json()
+
+
+def post_httpx(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    response = httpx.post(url, content=body, headers=headers, timeout=60)
+    return response.status_code, response.json()
+
+
+def post_httpx_chunked(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    """The body streamed without a declared length (Transfer-Encoding: chunked)."""
+    chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))
+    response = httpx.post(url, content=chunks, headers=headers, timeout=60)
+    return response.status_code, response.json()
+
+
+@pytest.mark.parametrize("post", [post_urllib, post_requests, post_httpx, post_httpx_chunked])
 @pytest.mark.parametrize(
-    ("key", "size", "status", "kind"),
+    ("path", "key", "size", "status", "kind"),
     [
-        ("KEY", 8 << 20, 413, "too_large"),  # declared too large: answered before a byte of it is read
-        ("KEY", 3000, 413, "too_large"),
-        ("WRONG", 8 << 20, 401, "unauthorized"),  # refused before the body is read
+        ("/translate", "KEY", 8 << 20, 413, "too_large"),  # too large: answered before a byte more is read
+        ("/translate", "KEY", 3000, 413, "too_large"),
+        ("/translate", "WRONG", 8 << 20, 401, "unauthorized"),  # refused before the body is read
+        ("/health", "KEY", 8 << 20, 405, "method_not_allowed"),  # (nor are these read)
+        ("/nowhere", "KEY", 8 << 20, 404, "not_found"),
     ],
 )
-def test_an_early_answer_reaches_a_client_still_sending_its_body(translator, key, size, status, kind):
-    """urllib (as requests) sends the whole body without waiting for 100-continue: a server that answered
-    and closed with the body unread reset the connection, and the client saw "connection reset by peer"
-    instead of the answer. The server reads the rest of the body first (within bounds), so the client
-    gets the JSON error."""
+def test_an_early_answer_reaches_a_client_still_sending_its_body(
+    translator, post, path, key, size, status, kind
+):
+    """urllib and requests send the whole body without waiting for 100-continue (httpx too, with a
+    declared length or streaming it): a server that answered and closed with the body unread reset the
+    connection, and the client saw "connection reset by peer" instead of the answer. The server reads
+    the rest of the body first (within bounds), so every client gets the JSON error."""
     app = create_app(translator, ServeConfig(max_body_bytes=2048), api_key="KEY")
     body = json.dumps({"text": "x" * size}).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     with running(app) as (port, _):
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/translate", data=body, method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
-        )  # fmt: skip
-        with pytest.raises(urllib.error.HTTPError) as answer:
-            urllib.request.urlopen(request, timeout=60)
-        assert answer.value.code == status
-        assert json.loads(answer.value.read())["error"]["type"] == kind
+        code, answer = post(f"http://127.0.0.1:{port}{path}", body, headers)
+        assert (code, answer["error"]["type"]) == (status, kind)
         # the server goes on answering
         ok = urllib.request.Request(f"http://127.0.0.1:{port}/health")
         assert json.loads(urllib.request.urlopen(ok, timeout=60).read()) == {"status": "ok"}
