@@ -3,7 +3,10 @@ on 2 cores), running the CLI in-process, and checking its one-line errors."""
 
 import contextlib
 import io
+import os
 import socket
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -163,3 +166,35 @@ def fused_attention_calls(decoder, src: torch.Tensor, config: SearchConfig) -> i
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         search(decoder, src, config)
     return sum(event.count for event in profile.key_averages() if "scaled_dot_product" in event.key)
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 16 MB tmpfs at tmp_path/disk: mounting needs root (CI runs as root); skipped where it is refused."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small disk needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Write zeros into disk/filler until the disk is full; removing it gives the space back."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import assert_one_line_error, run_cli, run_train, train_argv, write_parallel
+from conftest import assert_one_line_error, fill, run_cli, run_train, train_argv, write_parallel
 
 from aiayn import checkpoint
 from aiayn.config import SearchConfig, TrainConfig, preset
@@ -495,38 +495,6 @@ def test_other_runtime_errors_are_not_called_out_of_memory(tokenizer, tmp_path, 
 
 
 # --- A full disk ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_disk(tmp_path) -> Iterator[Path]:
-    """A 16 MB tmpfs at tmp_path/disk: mounting needs root (CI runs as root); skipped where it is refused."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small disk needs root")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
-def fill(disk: Path) -> Path:
-    """Write zeros into disk/filler until the disk is full; removing it gives the space back."""
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, bytes(1 << 16))
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return filler
 
 
 @pytest.mark.parametrize("save", ["save_checkpoint", "save_model"])

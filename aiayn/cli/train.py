@@ -120,8 +120,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         device = ranks.device(args.device)
         mode = "force" if args.force else "resume" if args.resume else "new"
+
         def open_run() -> Run:
-            return Run.open(args.out, mode, not args.quiet, args.tensorboard, main=ranks.main, world=ranks.world)
+            return Run.open(
+                args.out, mode, not args.quiet, args.tensorboard, main=ranks.main, world=ranks.world
+            )
 
         # Rank 0 opens first: it puts back a run that a killed --force left aside, which the others
         # must not see half moved; then every rank has looked at OUT before rank 0 changes it.

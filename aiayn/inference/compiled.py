@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import time
 from collections.abc import Callable
@@ -41,7 +42,7 @@ from torch import Tensor
 from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from aiayn.files import writing
+from aiayn.files import atomic_write
 from aiayn.inference.search import BeamLive, BeamStep, Decoder, GreedyStep, beam_candidates, greedy_candidates
 from aiayn.model import DecoderCache, Memory, Transformer
 from aiayn.precision import Int8Linear, cpu_flags, cpu_info
@@ -419,17 +420,13 @@ class CompiledDecoder(Decoder):
                 example = pytree.tree_map_only(Tensor, torch.clone, args)
                 module = _Graph(self.graphs[key[0]], None if key[0] in ("beam", "greedy") else self.model)
                 program = torch.export.export(module, example, dynamic_shapes={"args": shapes}, strict=False)
-                temporary = path.with_name(f".{os.getpid()}.{path.name}")  # a name of its own, ending .pt2
-                try:
-                    with writing(path):  # a full disk: one line naming the store, not inductor's error
-                        torch._inductor.aoti_compile_and_package(
-                            program,
-                            package_path=str(temporary),
-                            inductor_configs={"freezing": True, **self.options},
-                        )
-                    os.replace(temporary, path)
-                finally:
-                    temporary.unlink(missing_ok=True)
+                # Packaged in memory, then written atomically by us: PyTorch's own package writer, out of
+                # space, leaves its zip unfinished and aborts the process when it is collected.
+                package = io.BytesIO()
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=package, inductor_configs={"freezing": True, **self.options}
+                )
+                atomic_write(path, lambda tmp: tmp.write_bytes(package.getbuffer()))
             self.compile_seconds += time.perf_counter() - start
         start = time.perf_counter()
         package = _Package(torch._inductor.aoti_load_package(str(path)).loader)

@@ -164,8 +164,12 @@ class Translator:
                 f"of this model's learned positions ({len(too_long)} such lines); split long lines into "
                 "sentences first"
             )
-        bar = tqdm(total=len(ids), unit="sent", disable=not progress, leave=False)
-        with torch.inference_mode(), autocast(self.device, self.dtype):
+        # (a with: an error closes the bar before its line is printed)
+        with (
+            tqdm(total=len(ids), unit="sent", disable=not progress, leave=False) as bar,
+            torch.inference_mode(),
+            autocast(self.device, self.dtype),
+        ):
             for batch in self.batches(lengths, search_config.beam_size):
                 width = max(lengths[i] for i in batch)
                 src = torch.full((len(batch), width), PAD_ID, dtype=torch.long)  # (B, S)
@@ -178,7 +182,6 @@ class Translator:
                 for i, hyps in zip(batch, search(self.decoder, src, search_config, max_len=max_len)):
                     results[i] = hyps
                 bar.update(len(batch))
-        bar.close()
         return results
 
     def translate(self, texts: list[str], beam_size: int | None = None, progress: bool = False) -> list[str]:

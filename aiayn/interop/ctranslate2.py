@@ -214,20 +214,19 @@ class CTranslate2Translator:
         # limit are searched again with it. Greedy: exactly the per-limit result. Beams: a search
         # whose hypotheses all end before their limit is kept; in the rare case that it went on past
         # the limit before settling on a shorter hypothesis, it is the longer search's result.
-        bar = tqdm(total=len(ids), unit="sent", disable=not progress, leave=False)
-        first = self._search(ids, list(limits), max(limits.values(), default=0), config)
-        again: dict[int, list[int]] = defaultdict(list)
-        for i, hyps in first.items():
-            if any(len(h.tokens) + 1 >= limits[i] for h in hyps):  # + 1: EOS
-                again[limits[i]].append(i)
-            else:
-                results[i] = hyps
-                bar.update(1)
-        for limit, members in sorted(again.items()):
-            for i, hyps in self._search(ids, members, limit, config).items():
-                results[i] = hyps
-            bar.update(len(members))
-        bar.close()
+        with tqdm(total=len(ids), unit="sent", disable=not progress, leave=False) as bar:
+            first = self._search(ids, list(limits), max(limits.values(), default=0), config)
+            again: dict[int, list[int]] = defaultdict(list)
+            for i, hyps in first.items():
+                if any(len(h.tokens) + 1 >= limits[i] for h in hyps):  # + 1: EOS
+                    again[limits[i]].append(i)
+                else:
+                    results[i] = hyps
+                    bar.update(1)
+            for limit, members in sorted(again.items()):
+                for i, hyps in self._search(ids, members, limit, config).items():
+                    results[i] = hyps
+                bar.update(len(members))
         return results
 
     def _search(

@@ -3,11 +3,12 @@ compiling, named for everything they were compiled from. Apart from test_compile
 compile-heavy files run on two workers."""
 
 import dataclasses
+import errno
 
 import pytest
 import torch
 from conftest import EOS_HEAVY_V as V
-from conftest import eos_heavy_model, fused_attention_calls, sources
+from conftest import eos_heavy_model, fill, fused_attention_calls, sources
 
 from aiayn.config import SearchConfig, preset
 from aiayn.inference.compiled import TRACED_CODE, CompiledDecoder, fingerprint
@@ -87,3 +88,17 @@ def test_a_store_that_cannot_be_written_is_a_clear_error(model, tmp_path):
     with pytest.raises(ValueError, match="cannot keep compiled graphs there"):
         search(compiled, sources(1, 5, seed=7), SearchConfig(beam_size=1, max_len_b=5))
     assert compiled.compile_seconds == 0.0
+
+
+def test_a_store_on_a_full_disk_is_an_error_naming_the_package(model, small_disk):
+    """A package that cannot be written (a full disk) is an OSError naming it, which the command line
+    says in one line; PyTorch's own package writer, left unfinished by the full disk, aborted the whole
+    process when it was collected. Nothing half written stays in the store."""
+    store = small_disk / "store"
+    filler = fill(small_disk)
+    compiled = CompiledDecoder(model, store=store, max_autotune=False)
+    with pytest.raises(OSError) as error:
+        search(compiled, sources(1, 9, seed=2), SearchConfig(beam_size=1, max_len_b=5))
+    assert error.value.errno == errno.ENOSPC and error.value.filename.startswith(str(store / "encoder-"))
+    assert list(store.iterdir()) == []
+    filler.unlink()
