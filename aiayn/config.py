@@ -325,7 +325,7 @@ class Recipe:
 
 RECIPES: Mapping[str, Recipe] = MappingProxyType(
     {
-        # Chosen on Multi30k's training and validation splits only (README, "A CPU hour"); for corpora
+        # Chosen on Multi30k's training and validation splits only (docs/results.md); for corpora
         # of about 10k-200k pairs trained under a time budget on a CPU.
         "low-resource": Recipe(
             # decoded with beam 4 and the average length penalty, score / |Y| (fairseq's default): on
@@ -335,7 +335,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
             ),
             vocab_size=6000,
             # BPE-dropout 0.1 from an hour: at 60 minutes de->en 44.12 and en->de 40.44 against 42.23
-            # and 39.80 without; at 30 minutes de->en 42.21, within the seeds without (README, "A CPU hour")
+            # and 39.80 without; at 30 minutes de->en 42.21, within the seeds without (docs/results.md)
             bpe_dropout=0.1,
             bpe_dropout_minutes=60,
         ),

@@ -29,6 +29,8 @@ Prints a line per run as it ends, then the tables (markdown) and writes the BLEU
 runs/ is scratch, lost with the machine; what each run measured is also kept in docs/m30k_budget.json
 (committed) with the machine and date it ran on, and the tables and plot are made from that record, so
 figures of runs trained at other times, on other CPUs, stay in them, each with its machine.
+The record also keeps the sacreBLEU signature of the final validations ("signature") and the published
+figure the README's table is read against ("anchor"); benchmarks/tables.py renders that table from it.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ from common import (  # noqa: E402
     native_bf16,
     peak_rss_mb,
     random_sentences,
+    save_results,
     set_threads,
     steal_ticks,
 )
@@ -408,6 +410,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", type=int, default=3, help="batches per timed round")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS child processes")
+    ap.add_argument(
+        "--results",
+        help="also write the summary to this JSON file (docs/bench_*_cpu.json: the README's speed table)",
+    )
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--bucket", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -470,19 +476,18 @@ def main() -> None:
     summary = ratios(results)
     for line in summary["lines"]:
         print(line)
-    print(
-        json.dumps(
-            {
-                "benchmark": "train",
-                "machine": machine(),
-                "gemm_peak_gflops": peaks,
-                "results": results,
-                "ratios": summary["ratios"],
-                "steal_s_total": (steal_ticks() - steal0) / 100,
-                "notes": notes,
-            }
-        )
-    )
+    report = {
+        "benchmark": "train",
+        "machine": machine(),
+        "command": shlex.join(["python", *sys.argv]),
+        "gemm_peak_gflops": peaks,
+        "results": results,
+        "ratios": summary["ratios"],
+        "steal_s_total": (steal_ticks() - steal0) / 100,
+        "notes": notes,
+    }
+    print(json.dumps(report))
+    save_results(args.results, report)
 
 
 def print_table(results: list[dict]) -> None:

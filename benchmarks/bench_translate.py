@@ -31,6 +31,7 @@ import importlib.metadata
 import inspect
 import json
 import multiprocessing
+import shlex
 import shutil
 import signal
 import sys
@@ -56,6 +57,7 @@ from common import (  # noqa: E402
     native_bf16,
     pad,
     random_sentences,
+    save_results,
     set_threads,
     steal_ticks,
 )
@@ -333,6 +335,10 @@ def parser() -> argparse.ArgumentParser:
         "(default: 32:SENTENCES,1:LATENCY_SENTENCES on the CPU, 1:4,64:128,256:512 on CUDA)",
     )
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--results",
+        help="also write the summary to this JSON file (docs/bench_*_cpu.json: the README's speed table)",
+    )
     ap.add_argument("--systems", help="comma-separated names to run (default: all there are)")
     ap.add_argument(
         "--compiled-dtypes",
@@ -529,23 +535,22 @@ def main() -> None:
     summary = ratios(results)
     for line in summary["lines"]:
         print(line)
-    print(
-        json.dumps(
-            {
-                "benchmark": "translate",
-                "device": device.type,
-                "machine": machine(),
-                "gpu": gpu(device),
-                "versions": versions(),
-                "results": results,
-                "ratios": summary["ratios"],
-                "best_of_aiayn": summary["best"],
-                "steal_s_total": (steal_ticks() - steal0) / 100,
-                "wall_s": time.perf_counter() - started,
-                "notes": sorted(set(notes)),
-            }
-        )
-    )
+    report = {
+        "benchmark": "translate",
+        "device": device.type,
+        "machine": machine(),
+        "gpu": gpu(device),
+        "command": shlex.join(["python", *sys.argv]),
+        "versions": versions(),
+        "results": results,
+        "ratios": summary["ratios"],
+        "best_of_aiayn": summary["best"],
+        "steal_s_total": (steal_ticks() - steal0) / 100,
+        "wall_s": time.perf_counter() - started,
+        "notes": sorted(set(notes)),
+    }
+    print(json.dumps(report))
+    save_results(args.results, report)
     shutil.rmtree(workdir, ignore_errors=True)  # the exported models and compiled packages
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
 import os
 import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -221,3 +224,16 @@ def machine() -> str:
         f"{info.get('model', '?')}, {isa}, bf16 {'native' if native_bf16() else 'emulated'})"
     )
     return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}, AMX {'yes' if torch._C._cpu._init_amx() else 'no'}"
+
+
+def save_results(path: str | Path | None, summary: dict) -> None:
+    """The run's summary (the JSON line it prints) with today's date, written atomically to path: the
+    README's tables are rendered from these files (benchmarks/tables.py)."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dated = {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), **summary}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(dated, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)

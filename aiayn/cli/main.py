@@ -10,15 +10,47 @@ import signal
 import sys
 from types import MappingProxyType
 
+from aiayn import __version__
 from aiayn.cli import models, serve, train, translate
 from aiayn.training.distributed import env_rank
+
+DESCRIPTION = """\
+The Transformer of "Attention Is All You Need": train a translation model on your parallel text,
+translate with it, score it with sacreBLEU, look inside it, serve it and export it.
+
+A corpus becomes a model directory, which every other command takes:
+
+  aiayn train --train data/train --valid data/val --src-lang de --tgt-lang en --out runs/de-en --max-minutes 30
+  aiayn translate runs/de-en --input test.de --output test.hyp.en
+  aiayn evaluate runs/de-en --src test.de --ref test.en
+  aiayn serve runs/de-en
+
+`aiayn COMMAND --help` shows a command's flags and an example. Guides: docs/README.md."""
+
+# An example a command, shown under its --help (tests/test_docs.py parses each with this parser)
+EXAMPLES = MappingProxyType(
+    {
+        "prepare": "aiayn prepare --train data/train --valid data/val --src-lang de --tgt-lang en --out data/de-en",
+        "train": "aiayn train --train data/train --valid data/val --src-lang de --tgt-lang en --out runs/de-en "
+        "--max-minutes 30",
+        "translate": "aiayn translate runs/de-en --input test.de --output test.hyp.en",
+        "evaluate": "aiayn evaluate runs/de-en --src test.de --ref test.en",
+        "score": "aiayn score test.hyp.en test.en",
+        "average": "aiayn average runs/de-en --last 5 --out runs/de-en-avg",
+        "shortlist": "aiayn shortlist runs/de-en",
+        "export": "aiayn export runs/de-en --format ctranslate2 --out runs/de-en-ct2",
+        "plot": 'aiayn plot runs/de-en --sentence "Ein Hund rennt."',
+        "serve": "aiayn serve runs/de-en --port 8000",
+        "demo": "aiayn demo --out runs/demo",
+    }
+)
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="aiayn",
-        description="The Transformer of 'Attention Is All You Need': train, translate, evaluate, serve, export",
+        prog="aiayn", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--version", action="version", version=f"aiayn {__version__}")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = ap.add_subparsers(dest="command", required=True)
     for add in (
@@ -35,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
         train.add_demo,
     ):
         add(sub)  # one function a command (in its group's module), in the order `aiayn --help` lists them
+    for name, command in sub.choices.items():
+        command.epilog = f"example:\n  {EXAMPLES[name]}"
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
     return ap
 
 
