@@ -1,25 +1,26 @@
-# Every target installs into .venv first (idempotent: a stamp file records the install).
+# Every target first installs into .venv what it uses, and no more: the demo the core and plots (its
+# figures), the tests dev (every extra and the test tools), the benchmarks bench. Idempotent: a stamp
+# file per set of extras records its install.
 PY      := .venv/bin/python
-STAMP   := .venv/.installed
 # The CPU wheel of PyTorch; an unpinned torch would pull a CUDA build of several GB.
 TORCH   := torch==2.13.0
 
 .PHONY: demo test bench gpu-check lint clean
 
-$(STAMP): pyproject.toml
+.venv/.installed-%: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev,bench]' $(TORCH)
-	touch $(STAMP)
+	$(PY) -m pip install -q -e '.[$*]' $(TORCH)
+	touch $@
 
-demo: $(STAMP)
+demo: .venv/.installed-plots
 	.venv/bin/aiayn demo --out runs/demo
 
 # A worker per core (-n auto), a test file to a worker (its module fixtures, compiled graphs included, made once).
-test: $(STAMP)
+test: .venv/.installed-dev
 	$(PY) -m pytest -q -n auto --dist loadfile
 
-bench: $(STAMP)
+bench: .venv/.installed-bench
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_translate.py
 	$(PY) benchmarks/bench_scaling.py --plot docs/scaling.png
@@ -27,10 +28,10 @@ bench: $(STAMP)
 
 # On a CUDA machine: the CUDA tests, training, translation and data-pipeline benchmarks against the peers
 # on the GPU, then the suite; logs and figures in runs/gpu-check
-gpu-check: $(STAMP)
+gpu-check: .venv/.installed-dev .venv/.installed-bench
 	PYTHON=$(PY) bash benchmarks/gpu_check.sh runs/gpu-check
 
-lint: $(STAMP)
+lint: .venv/.installed-dev
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 

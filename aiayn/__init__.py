@@ -4,7 +4,7 @@ The core at the top, then one subpackage for each thing a user does, in layers, 
 imports only from layers below its own, or from its own subpackage without a cycle, so data flows one
 way (tests/test_layers.py holds the code to this table):
 
-    files precision                  writing results safely; device and number format
+    files precision extras           writing results safely; device and number format; optional packages
     config tokenizer                 frozen configs and presets; vocabularies and the special ids
     model                            the Transformer (§3)
     checkpoint                       model directories, training checkpoints, averaging (§6.1)

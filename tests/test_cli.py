@@ -2,7 +2,6 @@
 checked against the library and sacreBLEU, and its errors: exit code 2, one line, no traceback."""
 
 import dataclasses
-import importlib.util
 import io
 import json
 import os
@@ -390,18 +389,6 @@ def test_tensorboard_when_asked_for(corpus_prefix, tmp_path, monkeypatch):
     assert not (tmp_path / "n").exists()
     code, _, stderr = run(train_argv(corpus_prefix, tmp_path / "n", *TINY))  # not asked: not written
     assert code == 0 and not (tmp_path / "n" / "tensorboard").exists()
-
-
-def test_tensorboard_asked_for_but_missing_is_said_once(corpus_prefix, tmp_path, monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a)
-    )
-    code, _, stderr = run(train_argv(corpus_prefix, tmp_path / "m", *TINY, "--tensorboard"))
-    assert code == 0, stderr
-    assert (
-        stderr.count("TensorBoard was asked for but is not installed") == 1 and "aiayn[tensorboard]" in stderr
-    )
 
 
 def test_translate_starts_from_the_models_search_json_and_flags_override_it(workdir, tmp_path):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aiayn.extras import need
 from aiayn.files import check_writable_dir, check_writable_file
 
 
@@ -75,22 +76,18 @@ def add_export(sub: Any) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    extra = {"ctranslate2": "dev", "keras": "keras"}[args.format]
-    try:  # each format needs an optional package
-        if args.format == "keras":
-            from aiayn.interop.keras_model import export_keras
-        else:
-            from aiayn.interop.ctranslate2 import export_ctranslate2
-    except ModuleNotFoundError as e:
-        raise ValueError(
-            f"--format {args.format} needs the {e.name} package: pip install 'aiayn[{extra}]'"
-        ) from None
     if args.format == "keras":
+        need("--format keras", "keras", "keras")
+        from aiayn.interop.keras_model import export_keras
+
         if args.quantization is not None:
             raise ValueError("--quantization is CTranslate2's; the Keras export keeps the weights in float32")
         check_writable_file(args.out, "Keras model")
         dest = export_keras(args.model, args.out, force=args.force)
     else:
+        need("--format ctranslate2", "ctranslate2", "ctranslate2")
+        from aiayn.interop.ctranslate2 import export_ctranslate2
+
         check_writable_dir(args.out)
         dest = export_ctranslate2(args.model, args.out, quantization=args.quantization, force=args.force)
     print(json.dumps({"format": args.format, "out": str(dest)}))

@@ -8,6 +8,7 @@ from typing import Any
 
 from aiayn.cli.common import compile_flag, config_flags, device_flag, dtype_flag, inference_options
 from aiayn.config import ServeConfig, from_dict
+from aiayn.extras import need
 
 
 def add_serve(sub: Any) -> None:
@@ -34,6 +35,8 @@ def add_serve(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    # uvicorn's httptools and uvloop come with the extra too, but it runs without them
+    need("aiayn serve", "serve", "fastapi", "uvicorn", "prometheus_client")  # (serve() checks --engine's)
     from aiayn.checkpoint import load_model_config
     from aiayn.serving.server import serve
 

@@ -26,7 +26,8 @@ from aiayn.config import (
     recipe,
     split_overrides,
 )
-from aiayn.data.corpus import input_path
+from aiayn.data.corpus import check_sources, input_path
+from aiayn.extras import need
 from aiayn.files import check_replaceable, check_writable_dir
 from aiayn.precision import resolve_device, resolve_dtype
 
@@ -47,6 +48,7 @@ def add_prepare(sub: Any) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
+    check_sources(args.train, args.valid)
     out = check_writable_dir(args.out, "prepared corpus directory")
     check_replaceable(out, args.force)
     data = prepare_from(args, out, args.seed)
@@ -101,6 +103,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from aiayn.training.run import Run
     from aiayn.training.train import train
 
+    check_sources(args.train, args.valid)
+    if args.tensorboard:
+        need("--tensorboard", "tensorboard", "tensorboard")
     if args.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -411,6 +416,7 @@ def add_demo(sub: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    need("aiayn demo", "plots", "matplotlib")  # it ends by drawing its curves and attention maps
     from aiayn.training.demo import run_demo
 
     out = check_writable_dir(args.out)

@@ -20,6 +20,7 @@ from aiayn.cli.common import (
     search_flags,
 )
 from aiayn.data.corpus import STDIN, input_path, read_lines
+from aiayn.extras import need
 from aiayn.files import check_writable_dir, check_writable_file, write_output
 
 
@@ -131,6 +132,7 @@ def add_plot(sub: Any) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
+    need("aiayn plot", "plots", "matplotlib")
     from aiayn.checkpoint import load_model_config
     from aiayn.inference.plots import plot_attention, plot_curves
     from aiayn.training.log import METRICS

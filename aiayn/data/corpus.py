@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from aiayn.extras import need
 from aiayn.tokenizer import BOS_ID, PAD_ID
 
 if TYPE_CHECKING:
@@ -212,8 +213,18 @@ def read_pairs(spec: str, src_lang: str, tgt_lang: str, **kwargs: Any) -> tuple[
     return _lists(iter_pairs(spec, src_lang, tgt_lang, **kwargs))
 
 
+def check_sources(*specs: str | None) -> None:
+    """What can be known of corpora before any work: each hf: source is well formed and its package,
+    datasets, is installed (the hf extra). Files are checked as they are opened."""
+    for spec in specs:
+        if spec is not None and spec.startswith("hf:"):
+            parse_hf(spec)
+
+
 def parse_hf(spec: str) -> tuple[str, str | None, str | None]:
-    """hf:NAME[:CONFIG[:SPLIT]] -> (NAME, CONFIG or None, SPLIT or None)."""
+    """hf:NAME[:CONFIG[:SPLIT]] -> (NAME, CONFIG or None, SPLIT or None); every hf: source passes here
+    first, so none is read without the datasets package."""
+    need(f"{spec} (a Hugging Face dataset)", "hf", "datasets")
     name, config, split = (spec.removeprefix("hf:").split(":") + ["", ""])[:3]
     if not name or spec.count(":") > 3:
         raise ValueError(f"{spec!r}: expected {HF_SPEC}")

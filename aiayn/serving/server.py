@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aiayn.checkpoint import load_search
 from aiayn.config import InferenceOptions, ServeConfig
+from aiayn.extras import need
 from aiayn.inference.translate import Translator
 from aiayn.precision import resolve_dtype
 from aiayn.serving.app import create_app
@@ -32,6 +33,8 @@ def serve(
 
     import uvicorn
 
+    if options.engine == "ctranslate2":  # before the port and the model
+        need("--engine ctranslate2", "ctranslate2", "ctranslate2")
     listener = listen(host, port)  # before the model loads: a port in use is said at once
     search = replace(load_search(model_dir), beam_size=config.beam_size)  # alpha, penalty: the model's
     engine = options.engine
@@ -48,12 +51,8 @@ def serve(
     with listener, tempfile.TemporaryDirectory(prefix="aiayn-ct2-") as scratch:
         other = None
         if engine == "ctranslate2":  # the exported model translates; attention stays with PyTorch
-            try:
-                from aiayn.interop.ctranslate2 import CTranslate2Translator, export_ctranslate2
-            except ImportError:
-                raise ValueError(
-                    "--engine ctranslate2 needs the ctranslate2 package: pip install ctranslate2"
-                ) from None
+            from aiayn.interop.ctranslate2 import CTranslate2Translator, export_ctranslate2
+
             compute = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
             kind = resolve_dtype(options.dtype, translator.device)
             export_ctranslate2(model_dir, Path(scratch) / "ct2")

@@ -5,7 +5,6 @@ across resumes (what budgets, schedules and checkpoints read). Only rank 0 write
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -14,6 +13,7 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
+from aiayn.extras import need
 from aiayn.files import atomic_write, writing
 
 METRICS, TENSORBOARD = "metrics.jsonl", "tensorboard"
@@ -31,6 +31,8 @@ class RunLog:
         self.out, self.main = out, main
         self.progress = progress and main
         self.tensorboard = tensorboard and main
+        if self.tensorboard:  # asked for and missing: refused before the run begins, not a warning
+            need("--tensorboard", "tensorboard", "tensorboard")
         self.writer: Any = None  # TensorBoard's SummaryWriter while the run is open
         self.bar: tqdm | None = None
         self.minutes_before = 0.0
@@ -49,13 +51,6 @@ class RunLog:
             mininterval=1 if sys.stderr.isatty() else 30,
         )
         if not self.tensorboard:
-            return
-        if importlib.util.find_spec("tensorboard") is None:
-            print(
-                "aiayn: TensorBoard was asked for but is not installed (pip install 'aiayn[tensorboard]'); "
-                f"the same numbers are in {self.out / METRICS}",
-                file=sys.stderr,
-            )
             return
         from torch.utils.tensorboard import SummaryWriter
 
