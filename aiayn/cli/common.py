@@ -60,7 +60,7 @@ def compile_flag(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="decode with a compiled step (torch.compile): faster, after compiling once per batch size; "
-        "later runs load it from ~/.cache/aiayn/compiled ($AIAYN_COMPILE_STORE; README, Speed)",
+        "later runs load it from ~/.cache/aiayn/compiled ($AIAYN_COMPILE_STORE; docs/translation.md)",
     )
     p.add_argument(
         "--shortlist",

@@ -67,7 +67,7 @@ def add_export(sub: Any) -> None:
         "--format",
         choices=["ctranslate2", "keras"],
         default="ctranslate2",
-        help="ctranslate2: a CTranslate2 model directory; keras: a Keras 3 .keras file (README, Keras)",
+        help="ctranslate2: a CTranslate2 model directory; keras: a Keras 3 .keras file (docs/export.md)",
     )
     p.add_argument("--out", required=True, help="directory to write (ctranslate2) or FILE.keras (keras)")
     p.add_argument("--quantization", help="CTranslate2 weight type, e.g. int8 or float16 (default float32)")

@@ -148,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             name = choose(args.preset, len(data.src)).preset
             if args.preset is None and ranks.main:
                 say(
-                    f"aiayn: no --preset: {len(data.src):,} training pairs, so --preset {name} (README, Presets)"
+                    f"aiayn: no --preset: {len(data.src):,} training pairs, so --preset {name} (docs/training.md)"
                 )
             cfg = train_config(args, name, train_overrides)
             sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
