@@ -1,4 +1,4 @@
-"""The README's pictures of the `aiayn serve` page: the server as a subprocess, Debian's headless
+"""The pictures of the `aiayn serve` page in docs/serving.md: the server as a subprocess, Debian's headless
 Chromium through Selenium (as tests/serving/test_page.py drives it), two PNGs in docs/.
 
     python docs/screenshots.py MODEL_DIR "Ein Mann mit einem orangefarbenen Hut starrt auf etwas."
