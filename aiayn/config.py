@@ -298,7 +298,7 @@ def _model_preset(d_model: int, d_ff: int, n_heads: int, n_layers: int, dropout:
 PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
         "tiny": _model_preset(64, 128, 4, 2, 0.0),  # unit tests: seconds on a CPU
-        "small": _model_preset(256, 1024, 4, 3, 0.1),  # CPU training (the speed issue's `small`)
+        "small": _model_preset(256, 1024, 4, 3, 0.1),  # CPU training (the benchmarks' `small`)
         "base": _model_preset(512, 2048, 8, 6, 0.1),  # Table 3, base: 65M parameters
         "big": _model_preset(1024, 4096, 16, 6, 0.3),  # Table 3, big: 213M parameters
         "low-resource": _model_preset(128, 512, 4, 4, 0.1),  # 10k-200k pairs, a CPU, a budget: RECIPES

@@ -1,6 +1,6 @@
 """Training speed, side by side in one run: aiayn vs torch.nn.Transformer vs Hugging Face Marian.
 
-The standard workload of the speed issue: `base` and `small` shapes, synthetic pairs (seed 1234,
+The benchmarks' standard workload: `base` and `small` shapes, synthetic pairs (seed 1234,
 source and target lengths uniform{8..24} with EOS), batches of at most 4,096 padded target tokens
 filled in order (identical for every system), label smoothing 0.1, Adam. Reports non-padding
 target tokens per second for forward + backward + optimizer step (median of alternating rounds),

@@ -1,6 +1,6 @@
 """Translation speed, side by side in one run: aiayn vs torch.nn.Transformer vs HF Marian vs CTranslate2.
 
-The standard workload of the speed issue: `base` and `small` shapes with random weights, source
+The benchmarks' standard workload: `base` and `small` shapes with random weights, source
 sentences with seed 4321 and lengths uniform{8..24}; exactly 24 new tokens each (EOS suppressed so
 random weights cannot stop early); greedy and beam 4; batch 32 (throughput) and batch 1 (latency);
 fp32, bf16 and int8 where a system has them. Reports sentences per second, median of alternating

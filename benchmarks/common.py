@@ -20,7 +20,7 @@ from aiayn.precision import cpu_flags, cpu_info
 
 PAD, BOS, EOS = 0, 1, 2
 
-# The speed issue's standard workload: exactly these shapes, so figures compare across runs.
+# The benchmarks' standard workload: exactly these shapes, so figures compare across runs.
 CONFIGS = {
     "base": dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6, vocab=10000),
     "small": dict(d_model=256, n_heads=4, d_ff=1024, n_layers=3, vocab=8000),
