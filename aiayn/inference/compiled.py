@@ -521,8 +521,10 @@ def fingerprint(model: Transformer, options: dict) -> str:
     cpu = cpu_info()
     device = next(model.parameters()).device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    # (the vector instructions PyTorch and inductor use, which ATEN_CPU_CAPABILITY may cap below the CPU's)
+    isa = torch.backends.cpu.get_cpu_capability()
     digest.update(repr((modules, sorted(options.items()), torch.__version__, cpu.get("model name"),
-                        cpu.get("cpu family"), cpu.get("model"), sorted(cpu_flags()), str(device), gpu)).encode())  # fmt: skip
+                        cpu.get("cpu family"), cpu.get("model"), sorted(cpu_flags()), isa, str(device), gpu)).encode())  # fmt: skip
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
