@@ -62,7 +62,10 @@ def resolve_dtype(dtype: Dtype, device: torch.device) -> Literal["bf16", "fp32",
         return dtype
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16" if torch._C._cpu._init_amx() else "fp32"
+    # AMX tiles, and kernels allowed to use them: ATEN_CPU_CAPABILITY below AVX-512 (a cap at AVX2, as a
+    # benchmark of an AVX2 laptop sets) leaves bf16 emulated whatever the CPU has
+    amx = torch._C._cpu._init_amx() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return "bf16" if amx else "fp32"
 
 
 def autocast(device: torch.device, dtype: Dtype) -> contextlib.AbstractContextManager:

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     CONFIGS,
+    ISA_CAPS,
     PAD,
     TorchTransformer,
     alternate,
+    cap_isa,
     gemm_peak,
     have,
     machine,
@@ -407,6 +409,12 @@ def main() -> None:
     ap.add_argument(
         "--profile", action="store_true", help="CUDA: torch.profiler of aiayn at the largest batch"
     )
+    ap.add_argument(
+        "--isa",
+        choices=sorted(ISA_CAPS),
+        default="native",
+        help="cap every system at this instruction set (avx2: what an AVX2 laptop runs; common.ISA_CAPS)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", type=int, default=3, help="batches per timed round")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS child processes")
@@ -417,6 +425,7 @@ def main() -> None:
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--bucket", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    cap_isa(args.isa)
     if args.child:
         return run_child(*args.child, args.bucket)
     if args.device == "cuda":

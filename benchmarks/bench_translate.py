@@ -46,10 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import aiayn_model  # noqa: E402
 from common import (  # noqa: E402
     CONFIGS,
+    ISA_CAPS,
     PAD,
     NoEos,
     TorchTransformer,
     alternate,
+    cap_isa,
     have,
     machine,
     marian_model,
@@ -334,6 +336,12 @@ def parser() -> argparse.ArgumentParser:
         help="BATCH:SENTENCES,...: each batch size and how many sentences a measurement translates "
         "(default: 32:SENTENCES,1:LATENCY_SENTENCES on the CPU, 1:4,64:128,256:512 on CUDA)",
     )
+    ap.add_argument(
+        "--isa",
+        choices=sorted(ISA_CAPS),
+        default="native",
+        help="cap every system at this instruction set (avx2: what an AVX2 laptop runs; common.ISA_CAPS)",
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument(
         "--results",
@@ -363,6 +371,7 @@ def parser() -> argparse.ArgumentParser:
 def options(ap: argparse.ArgumentParser) -> argparse.Namespace:
     """The options, with the device's defaults filled in, checked."""
     args = ap.parse_args()
+    cap_isa(args.isa)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

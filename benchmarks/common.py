@@ -8,6 +8,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,6 +79,8 @@ def gemm_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (2048, 4096), reps: i
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles) rather than emulating it.
     From the CPU's flags: torch 2.13 has no `torch._C._cpu._is_avx512_bf16_supported` any more."""
+    if os.environ.get(ISA_VARIABLE, "native") != "native":  # a cap at AVX2 turns both off
+        return False
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}) or torch._C._cpu._init_amx()
 
 
@@ -213,6 +216,46 @@ def have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+# --isa: every system of a run capped at one instruction set, so that an AVX-512 machine measures what an
+# AVX2 laptop would run: PyTorch's kernels and inductor's generated code (ATEN_CPU_CAPABILITY), oneDNN
+# (ONEDNN_MAX_CPU_ISA; no AMX, no VNNI under AVX2), MKL's GEMMs (MKL_ENABLE_INSTRUCTIONS) and CTranslate2
+# (CT2_FORCE_CPU_ISA). What a cap cannot make of a CPU: another core's caches, memory bandwidth, clocks
+# and execution ports (a Zen 3 is not an AVX-512 Xeon running AVX2 code).
+ISA_CAPS = {
+    "native": {},
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "CT2_FORCE_CPU_ISA": "AVX2",
+    },
+}
+ISA_VARIABLE = "AIAYN_BENCH_ISA"  # set in a capped process, which every child inherits
+
+
+def cap_isa(isa: str) -> None:
+    """Run this benchmark under the cap: the libraries read it when they load, and this process has
+    loaded them, so it starts again with the cap's environment (its children inherit it)."""
+    if isa == "native" or os.environ.get(ISA_VARIABLE) == isa:  # (a child inherits its parent's cap)
+        return
+    os.environ.update({**ISA_CAPS[isa], ISA_VARIABLE: isa})
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def capped() -> str | None:
+    """The instruction set this process is capped at, checked where it can be: PyTorch's kernels and
+    inductor's vector code (None: not capped)."""
+    isa = os.environ.get(ISA_VARIABLE, "native")
+    if isa == "native":
+        return None
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    aten, inductor = torch.backends.cpu.get_cpu_capability(), str(pick_vec_isa())
+    if aten.lower() != isa or inductor != isa:
+        raise SystemExit(f"the {isa} cap did not take: PyTorch's kernels {aten}, inductor's {inductor}")
+    return isa
+
+
 def machine() -> str:
     """The CPU as a figure must name it: the VM's model name alone ("AMD EPYC") does not tell a Zen 4
     (family 25) from a Zen 5 (family 26), so family and model, the widest vector instructions and whether
@@ -223,7 +266,11 @@ def machine() -> str:
         f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')} model "
         f"{info.get('model', '?')}, {isa}, bf16 {'native' if native_bf16() else 'emulated'})"
     )
-    return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}, AMX {'yes' if torch._C._cpu._init_amx() else 'no'}"
+    amx = "yes" if torch._C._cpu._init_amx() else "no"
+    cap = capped()
+    if cap:  # the checked kernels, and what the cap turns off
+        return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}, capped at {cap.upper()} (AMX, VNNI and AVX-512 off)"
+    return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}, AMX {amx}"
 
 
 def save_results(path: str | Path | None, summary: dict) -> None:

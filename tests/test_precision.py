@@ -1,5 +1,9 @@
 """int8 inference layers (precision.Int8Linear) against the quantisation formulas written here."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -109,3 +113,22 @@ def test_for_inference_int8_replaces_every_linear_of_a_copy():
     assert [type(m) for m in int8.modules() if isinstance(m, (nn.Linear, Int8Linear))] == [Int8Linear] * 2
     assert all(m.w8a8 == has_vnni() for m in int8.modules() if isinstance(m, Int8Linear))
     assert [type(m) for m in model.modules()].count(nn.Linear) == 2  # the float model is as it was
+
+
+def test_auto_is_fp32_on_a_cpu_capped_at_avx2():
+    """dtype auto takes bf16 only where AMX multiplies it: a process whose kernels are capped at AVX2
+    (what an AVX2 laptop has; ATEN_CPU_CAPABILITY, as the benchmarks' --isa avx2 sets) emulates bf16,
+    whatever tiles the CPU has, and trains and translates in fp32."""
+    code = (
+        "import torch; from aiayn.precision import resolve_dtype; "
+        "print(resolve_dtype('auto', torch.device('cpu')), torch._C._cpu._init_amx())"
+    )
+    for capability, amx_allowed in (("avx2", False), (None, True)):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        dtype, amx = out.stdout.split()
+        assert dtype == ("bf16" if amx == "True" and amx_allowed else "fp32"), (capability, out.stdout)
