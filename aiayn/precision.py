@@ -101,7 +101,9 @@ def cpu_flags() -> frozenset[str]:
 def has_vnni() -> bool:
     """Whether torch._int_mm runs on oneDNN's int8 kernels here (AVX512-VNNI, which PyTorch does not
     report); elsewhere it is a scalar loop. Off Linux (no flags): the path that is vectorised everywhere."""
-    return "avx512_vnni" in cpu_flags()
+    # (and kernels allowed to use it: a process capped below AVX-512, as a benchmark of an AVX2 laptop
+    # is, runs oneDNN's int8 without VNNI)
+    return "avx512_vnni" in cpu_flags() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 class Int8Linear(nn.Module):

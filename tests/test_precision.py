@@ -115,13 +115,13 @@ def test_for_inference_int8_replaces_every_linear_of_a_copy():
     assert [type(m) for m in model.modules()].count(nn.Linear) == 2  # the float model is as it was
 
 
-def test_auto_is_fp32_on_a_cpu_capped_at_avx2():
+def test_a_cpu_capped_at_avx2_takes_fp32_and_int8_without_vnni():
     """dtype auto takes bf16 only where AMX multiplies it: a process whose kernels are capped at AVX2
     (what an AVX2 laptop has; ATEN_CPU_CAPABILITY, as the benchmarks' --isa avx2 sets) emulates bf16,
     whatever tiles the CPU has, and trains and translates in fp32."""
     code = (
-        "import torch; from aiayn.precision import resolve_dtype; "
-        "print(resolve_dtype('auto', torch.device('cpu')), torch._C._cpu._init_amx())"
+        "import torch; from aiayn.precision import has_vnni, resolve_dtype; "
+        "print(resolve_dtype('auto', torch.device('cpu')), torch._C._cpu._init_amx(), has_vnni())"
     )
     for capability, amx_allowed in (("avx2", False), (None, True)):
         env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
@@ -130,5 +130,7 @@ def test_auto_is_fp32_on_a_cpu_capped_at_avx2():
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
-        dtype, amx = out.stdout.split()
+        dtype, amx, vnni = out.stdout.split()
         assert dtype == ("bf16" if amx == "True" and amx_allowed else "fp32"), (capability, out.stdout)
+        if capability:  # int8 takes the route without VNNI (weights only), as on an AVX2 laptop
+            assert vnni == "False"
