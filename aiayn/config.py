@@ -230,6 +230,9 @@ class SearchConfig:
         return f"beam {self.beam_size}, alpha {self.alpha}, {self.length_penalty} penalty"
 
 
+Compile = Literal[False, True, "stored"]  # InferenceOptions.compile
+
+
 @dataclass(frozen=True)
 class InferenceOptions:
     """How a model is run to translate, built once from the flags and handed to whatever builds a
@@ -237,7 +240,10 @@ class InferenceOptions:
 
     device: str = "auto"  # auto (CUDA when there is a GPU), cpu, cuda or cuda:N
     dtype: Dtype = DEFAULT_DTYPE  # auto: bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU; fp16: CUDA
-    compile: bool = False  # decode with a compiled step (inference/compiled.py)
+    # decode with a compiled step (inference/compiled.py), compiling the graphs a batch needs the first time
+    # (True); or only with the graphs an earlier compile left in the store, the other batches eagerly
+    # ("stored": the command line's default, which never compiles)
+    compile: Compile = False
     shortlist: bool = False  # the output layer restricted to the model directory's vmap.txt
     threads: int | None = None  # the server's model worker: PyTorch (or CTranslate2) threads
     engine: Literal["torch", "ctranslate2"] = "torch"  # the server's: aiayn's search, or CTranslate2's

@@ -28,7 +28,8 @@ def main(model: str, text: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", model, "--port", str(port)])
+    command = [sys.executable, "-m", "aiayn", "serve", model, "--port", str(port), "--no-compile"]
+    server = subprocess.Popen(command)  # eager: the page is the picture, not minutes of compiling first
     url = f"http://127.0.0.1:{port}"
     options = Options()
     options.binary_location = shutil.which("chromium")

@@ -28,6 +28,7 @@ torch.set_num_threads(1)
 LONGEST_FIRST = (
     "inference/test_compiled.py",
     "inference/test_compiled_store.py",
+    "inference/test_translate.py",
     "serving/test_server.py",
     "training/test_distributed.py",
     "training/test_demo.py",
@@ -38,6 +39,17 @@ def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).parent
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_store(tmp_path_factory) -> Iterator[Path]:
+    """The test run's own store of compiled graphs (AIAYN_COMPILE_STORE, which subprocesses inherit), empty:
+    no test reads or writes the user's ~/.cache/aiayn/compiled, and a command given neither --compile nor
+    --no-compile finds none of its model's graphs there, so it decodes eagerly."""
+    with pytest.MonkeyPatch.context() as patch:
+        store = tmp_path_factory.mktemp("compile-store")
+        patch.setenv("AIAYN_COMPILE_STORE", str(store))
+        yield store
 
 
 def run_cli(argv: list) -> tuple[int, str, str]:

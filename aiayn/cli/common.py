@@ -55,12 +55,16 @@ def device_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when there is a GPU), cpu, cuda or cuda:N")
 
 
-def compile_flag(p: argparse.ArgumentParser) -> None:
+def compile_flag(p: argparse.ArgumentParser, default: str | None, unset: str) -> None:
+    """--compile / --no-compile; neither: `default` (what `unset` says)."""
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="decode with a compiled step (torch.compile): faster, after compiling once per batch size; "
-        "later runs load it from ~/.cache/aiayn/compiled ($AIAYN_COMPILE_STORE; docs/translation.md)",
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help="--compile: decode with a compiled step (torch.compile), compiling the graphs a batch size "
+        "needs the first time (minutes on a small CPU) into ~/.cache/aiayn/compiled ($AIAYN_COMPILE_STORE), "
+        f"where later runs load them in a second; --no-compile: decode eagerly; neither: {unset} "
+        "(docs/translation.md)",
     )
     p.add_argument(
         "--shortlist",
@@ -80,7 +84,7 @@ def search_flags(p: argparse.ArgumentParser) -> None:
         help="gnmt (paper) or average (fairseq/HF); default: the model's, else gnmt",
     )
     dtype_flag(p)
-    compile_flag(p)
+    compile_flag(p, "stored", "the graphs an earlier --compile stored, eagerly where there are none")
     device_flag(p)
 
 

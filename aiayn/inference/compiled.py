@@ -199,12 +199,7 @@ class CompiledDecoder(Decoder):
         self.model = model.eval()
         self.config = model.config
         self.max_sentences = max_sentences
-        # max_autotune on the CPU: inductor times its own C++ GEMM kernels against the BLAS call for each
-        # matrix product of the step and keeps the faster: at a few rows MKL's sgemm is slow on AMD CPUs. On
-        # a GPU it would time Triton templates for every product of every graph, minutes per model, where
-        # cuBLAS is already the fast choice: off there.
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        self.options = {"max_autotune": on_cpu, **options}
+        self.options = compile_options(model, **options)
         # store: a directory of AOTInductor packages, one per graph and model, which a later process
         # loads in a second or two instead of tracing and compiling again (None: compile in memory)
         self.store = Path(store) if store is not None else None
@@ -529,3 +524,52 @@ def fingerprint(model: Transformer, options: dict) -> str:
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+# --- What `aiayn translate` decodes with by default: the graphs an earlier compile stored, and no other --
+
+
+def compile_options(model: Transformer, **options: Any) -> dict[str, Any]:
+    """The inductor options CompiledDecoder(model, **options) compiles with, which its packages' names hold.
+
+    max_autotune on the CPU: inductor times its own C++ GEMM kernels against the BLAS call for each
+    matrix product of the step and keeps the faster: at a few rows MKL's sgemm is slow on AMD CPUs. On
+    a GPU it would time Triton templates for every product of every graph, minutes per model, where
+    cuBLAS is already the fast choice: off there."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return {"max_autotune": on_cpu, **options}
+
+
+def stored(model: Transformer, store: str | Path | None, **options: Any) -> bool:
+    """Whether store holds graphs of this model: packages that CompiledDecoder(model, store=store,
+    **options) would load (the same weights, layout, configuration, code, options, PyTorch and processor).
+    Cheap where the store holds no packages at all; else the weights are hashed (fingerprint), and no
+    compiler is imported."""
+    if store is None or not any(Path(store).glob("*.pt2")):
+        return False
+    return any(Path(store).glob(f"*-{fingerprint(model, compile_options(model, **options))}.pt2"))
+
+
+class NotStored(Exception):
+    """A graph a StoredDecoder would have to compile: the batch that needs it decodes eagerly instead."""
+
+
+class StoredDecoder(CompiledDecoder):
+    """A CompiledDecoder that runs the graphs its store holds and compiles none. A batch that needs one the
+    store lacks (another number of sentences, another search) raises NotStored at that graph's first call,
+    and Translator decodes the batch again eagerly (the same tokens). What `aiayn translate` decodes with
+    unless told: compiling costs minutes on a small CPU, more than most runs decode, so only a run given
+    `--compile` pays it, and every later run has the graphs it left."""
+
+    def __init__(self, model: Transformer, store: str | Path, **options: Any):
+        super().__init__(model, store=store, **options)
+
+    def _call(self, key: tuple, *args: Any) -> Any:
+        if key not in self._packages:
+            assert self.store is not None
+            if self._fingerprint is None:
+                self._fingerprint = fingerprint(self.model, self.options)
+            # the name CompiledDecoder._package reads (a test loads what a compile stored through it)
+            if not (self.store / f"{'-'.join(map(str, key))}-{self._fingerprint}.pt2").is_file():
+                raise NotStored(key)
+        return super()._call(key, *args)

@@ -12,8 +12,8 @@ import torch
 from tqdm import tqdm
 
 from aiayn.checkpoint import load_model, load_search
-from aiayn.config import InferenceOptions, SearchConfig
-from aiayn.inference.compiled import CompiledDecoder, default_store
+from aiayn.config import Compile, InferenceOptions, SearchConfig
+from aiayn.inference.compiled import CompiledDecoder, NotStored, StoredDecoder, default_store, stored
 from aiayn.inference.search import Decoder, EagerDecoder, Hypothesis, max_lengths, search
 from aiayn.inference.shortlist import Shortlist, Shortlisted, load_shortlist
 from aiayn.model import Transformer, attention_maps
@@ -35,7 +35,7 @@ class Translator:
         search_config: SearchConfig | None = None,
         dtype: Dtype = DEFAULT_DTYPE,
         batch_tokens: int = 4096,
-        compile: bool = False,
+        compile: Compile = False,
         shortlist: Shortlist | None = None,
     ):
         if tokenizer.src_vocab_size != model.config.src_vocab_size or (
@@ -52,13 +52,20 @@ class Translator:
         self.search_config = search_config or SearchConfig()
         self.dtype = dtype
         self.batch_tokens = batch_tokens  # source tokens x beam per batch
-        # search runs on the model itself, or on its compiled decoding step (compiled.py), with or
-        # without an output-layer shortlist (shortlist.py)
-        self.decoder: Decoder = (
-            CompiledDecoder(self.model, store=default_store()) if compile else EagerDecoder(self.model)
-        )
+        # search runs on the model itself (`eager`), or on its compiled decoding step (compiled.py), with
+        # or without an output-layer shortlist (shortlist.py). compile="stored": the compiled step only for
+        # the batches whose graphs the store holds; a store with none of this model's is not even handed to
+        # the compiler, whose import alone is slow
+        self.eager: Decoder = EagerDecoder(self.model)
+        store = default_store()
+        self.decoder = self.eager
+        if compile == "stored" and stored(self.model, store):
+            self.decoder = StoredDecoder(self.model, store)
+        elif compile is True:
+            self.decoder = CompiledDecoder(self.model, store=store)
         if shortlist is not None:
             self.decoder = Shortlisted(self.decoder, shortlist)
+            self.eager = Shortlisted(self.eager, shortlist)
 
     @classmethod
     def load(
@@ -71,9 +78,10 @@ class Translator:
         """A model directory, in the layout and number format that translate fastest (for_inference);
         without a search_config, the one the model directory names (search.json), else §6.1's.
         options (config.InferenceOptions; overrides: some of its fields, e.g. dtype="fp32", device="cpu"):
-        compile decodes with a compiled step (compiled.py): the first batch of each size compiles, or loads
-        what an earlier process compiled from the store (compiled.default_store); shortlist restricts the
-        output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
+        compile=True decodes with a compiled step (compiled.py): the first batch of each size compiles, or
+        loads what an earlier process compiled from the store (compiled.default_store); compile="stored"
+        (the command line's default) only loads, and decodes eagerly where the store has no graphs;
+        shortlist restricts the output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
         if isinstance(overrides.get("device"), torch.device):
             overrides["device"] = str(overrides["device"])
         given = {name: value for name, value in overrides.items() if value is not None}  # None: the options'
@@ -179,7 +187,11 @@ class Translator:
                 max_len = max_lengths(src, search_config)  # (B,)
                 if learned:
                     max_len = max_len.clamp(max=config.max_positions)
-                for i, hyps in zip(batch, search(self.decoder, src, search_config, max_len=max_len)):
+                try:
+                    found = search(self.decoder, src, search_config, max_len=max_len)
+                except NotStored:  # compile="stored", and the store lacks a graph of this batch
+                    found = search(self.eager, src, search_config, max_len=max_len)
+                for i, hyps in zip(batch, found):
                     results[i] = hyps
                 bar.update(len(batch))
         return results

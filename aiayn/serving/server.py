@@ -12,6 +12,8 @@ from pathlib import Path
 from aiayn.checkpoint import load_search
 from aiayn.config import InferenceOptions, ServeConfig
 from aiayn.extras import need
+from aiayn.files import check_writable_dir
+from aiayn.inference.compiled import stored
 from aiayn.inference.translate import Translator
 from aiayn.precision import resolve_dtype
 from aiayn.serving.app import create_app
@@ -43,6 +45,8 @@ def serve(
         log.warning("--engine ctranslate2: beams use the average length penalty, score / |Y|^alpha")
     try:
         translator = Translator.load(model_dir, search, options)
+        if engine == "torch":
+            check_store(translator)
     except BaseException:
         listener.close()
         raise
@@ -60,6 +64,17 @@ def serve(
                 Path(scratch) / "ct2", search, device=translator.device.type, compute_type=compute[kind],
                 threads=options.threads or 0,
             )  # fmt: skip
+        compiled = translator.compiled
+        if other is None and compiled is not None:  # the worker warms it up: create_app
+            where = (
+                f"loaded from {compiled.store}, or compiled into it the first time (minutes on a small CPU)"
+                if compiled.store
+                else "compiled in memory (minutes on a small CPU, at every start)"
+            )
+            log.warning(
+                "compiled decoding: /health answers 503 until the graphs of each batch size are %s; "
+                "--no-compile serves at once, eagerly", where,
+            )  # fmt: skip
         app = create_app(
             translator, config, engine=other, threads=options.threads, api_key=api_key, cors_origins=cors_origins,
             engine_name=engine,
@@ -73,6 +88,22 @@ def serve(
             app, log_level="warning", timeout_graceful_shutdown=int(config.timeout_s) + 5
         )
         uvicorn.Server(settings).run(sockets=[listener])
+
+
+def check_store(translator: Translator) -> None:
+    """A server that will compile its graphs at start needs a store it can write them into: a ValueError
+    now, rather than a worker that stops after the port is open (a read-only home directory, say). A
+    store that already holds the model's graphs may be read-only."""
+    compiled = translator.compiled
+    if compiled is None or compiled.store is None or stored(translator.model, compiled.store):
+        return
+    try:
+        check_writable_dir(compiled.store, "store of compiled graphs")
+    except ValueError as error:
+        raise ValueError(
+            f"{error}: the server compiles its graphs into it at start; set AIAYN_COMPILE_STORE to a writable "
+            "directory (or to none: in memory), or serve with --no-compile"
+        ) from None
 
 
 def listen(host: str, port: int) -> socket.socket:

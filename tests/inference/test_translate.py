@@ -195,3 +195,37 @@ def test_warm_up_searches_once_with_each_batch_size_that_has_graphs_of_its_own(
     translator.warm_up(search_config, max_sentences, say=lines.append)
     assert searched == [(size, search_config) for size in sizes]
     assert len(lines) == len(sizes) + 1 and lines[-1].startswith("compiled decoding: ready")
+
+
+def test_stored_mode_loads_what_a_compile_stored_decodes_the_rest_eagerly_and_compiles_nothing(
+    model, tokenizer, tmp_path, monkeypatch
+):
+    """compile="stored" (`aiayn translate` given neither --compile nor --no-compile): a store without the
+    model's graphs leaves it eager; once a compile has stored the graphs of one sentence, greedy, a later
+    translator loads and runs them, and a batch whose graphs are not there (three sentences; beam 2, found
+    missing after the encoder's graphs ran) decodes eagerly; every output is eager's, and nothing more is
+    compiled or written. The one test here that compiles (four small packages)."""
+    from aiayn.inference import compiled
+
+    monkeypatch.setenv("AIAYN_COMPILE_STORE", str(tmp_path))
+    # without inductor's GEMM autotuning, which only picks kernels and doubles the time; the packages'
+    # names hold the options, so the compile and the later translators must agree on them
+    options = compiled.compile_options
+    monkeypatch.setattr(
+        compiled, "compile_options", lambda model, **given: options(model, max_autotune=False)
+    )
+    greedy = SearchConfig(beam_size=1, max_len_a=0.0, max_len_b=6)
+    eager = Translator(model, tokenizer, greedy, "fp32")
+    one, three = INPUTS[:1], [INPUTS[0], INPUTS[3], INPUTS[6]]
+    assert Translator(model, tokenizer, greedy, "fp32", compile="stored").compiled is None
+    first = Translator(model, tokenizer, greedy, "fp32", compile=True)
+    assert first.translate(one) == eager.translate(one) and first.compiled.compile_seconds > 0
+    packages = sorted(tmp_path.glob("*.pt2"))
+    assert compiled.stored(model, tmp_path) and not compiled.stored(Transformer(model.config), tmp_path)
+    assert not compiled.stored(model, tmp_path / "empty") and not compiled.stored(model, None)
+    later = Translator(model, tokenizer, greedy, "fp32", compile="stored")
+    assert isinstance(later.compiled, compiled.StoredDecoder)
+    assert later.translate(one) == eager.translate(one) and later.compiled.load_seconds > 0
+    assert later.translate(three) == eager.translate(three)
+    assert later.translate(one, beam_size=2) == eager.translate(one, beam_size=2)
+    assert later.compiled.compile_seconds == 0.0 and sorted(tmp_path.glob("*.pt2")) == packages

@@ -53,6 +53,7 @@ def server(served_model):
         str(port),
         "--dtype",
         "fp32",
+        "--no-compile",  # the page is the point, not minutes of compiling before it is served
     ]
     proc = subprocess.Popen(
         [*command, "--max-chars", "100", "--threads", "1"], stderr=subprocess.PIPE, text=True

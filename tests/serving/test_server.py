@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from conftest import free_port
+from conftest import assert_one_line_error, free_port, run_cli
 from fastapi.testclient import TestClient
 
 import aiayn
@@ -307,6 +307,40 @@ def test_a_compiled_server_compiles_before_it_says_ready_and_serves_the_eager_tr
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
         assert [r.json()["translations"] for r in responses] == [translator.translate([t]) for t in INPUTS]
     assert compiled.decoder.compile_seconds == warm  # nothing compiled on a request's time
+
+
+@pytest.mark.parametrize(
+    ("flags", "compile"),
+    [([], True), (["--no-compile"], False), (["--engine", "ctranslate2"], False), (["--compile"], True)],
+)
+def test_serve_compiles_before_it_serves_unless_told_not_to_or_ctranslate2_translates(
+    model_dir, monkeypatch, flags, compile
+):
+    """`aiayn serve` compiles (or loads from the store) by default, the warm-up above; --no-compile serves
+    at once, eagerly; CTranslate2's engine has no compiled path, so by default it gets none (the Translator
+    it keeps for attention stays eager)."""
+    given = []
+    monkeypatch.setattr(
+        "aiayn.serving.server.serve", lambda model, config, options, **kw: given.append(options)
+    )
+    code, _, stderr = run_cli(["serve", model_dir, *flags])
+    assert code == 0 and "Traceback" not in stderr, stderr
+    [options] = given
+    assert options.compile is compile and options.engine == (
+        "ctranslate2" if "--engine" in flags else "torch"
+    )
+
+
+def test_a_server_that_would_compile_into_a_store_it_cannot_write_says_so_before_serving(
+    model_dir, tmp_path, monkeypatch
+):
+    """A store that cannot be written (here under a file; a read-only home directory, say), and none of the
+    model's graphs in it: one line before the server starts, not a worker that stops once the port is open."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("AIAYN_COMPILE_STORE", str(blocker / "store"))
+    code, _, stderr = run_cli(["serve", model_dir, "--port", free_port()])
+    assert_one_line_error(code, stderr, str(blocker / "store"), "--no-compile", "AIAYN_COMPILE_STORE")
 
 
 # --- A real server: a client that goes away, a shutdown with requests pending ---------------------------
