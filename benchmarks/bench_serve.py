@@ -98,6 +98,8 @@ class Server:
         self.url = f"http://127.0.0.1:{free_port()}"
         command = [sys.executable, "-m", "aiayn", "serve", str(model), "--port", self.url.rsplit(":", 1)[1],
                    "--engine", engine, "--dtype", "fp32", "--threads", "1", *extra]  # fmt: skip
+        if engine == "torch":  # the eager server, as these figures measure it (serve compiles by default)
+            command.append("--no-compile")
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while True:
