@@ -30,7 +30,10 @@ import contextlib
 import hashlib
 import io
 import os
+import sys
 import time
+import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -386,47 +389,104 @@ class CompiledDecoder(Decoder):
 
     def _package(self, key: tuple, args: tuple) -> _Package:
         """The AOTInductor package of graph key from the store, exported and compiled into it first if it
-        is not there (written atomically: processes sharing a store never read half a file). The package
-        holds the model's weights as constants, so its name holds a hash of them."""
+        is not there, or if what is there is not a whole package of this graph (_load_stored: a damaged
+        store is a cache miss, said in one line on stderr). Written atomically: processes sharing a store
+        never read half a file, and two compiling the same graph at once each rename a whole file of their
+        own (atomic_write's temporary names are unique) over it. The package holds the model's weights as
+        constants, so its name holds a hash of them."""
         assert self.store is not None
         if self._fingerprint is None:
             self._fingerprint = fingerprint(self.model, self.options)
         path = self.store / f"{'-'.join(map(str, key))}-{self._fingerprint}.pt2"
-        if not path.is_file():
+        if path.is_file():
             start = time.perf_counter()
             try:
-                self.store.mkdir(parents=True, exist_ok=True)
-            except OSError as error:
-                raise ValueError(
-                    f"{self.store}: cannot keep compiled graphs there ({error.strerror}); set "
-                    "AIAYN_COMPILE_STORE to a writable directory, or to none to compile in memory"
-                ) from error
-            # the sizes marked dynamic where the buffers were made (_dynamic) are export's dynamic ones
-            shapes = pytree.tree_map(  # (the options that are not tensors are constants of the graph)
-                lambda t: (
-                    {d: Dim.DYNAMIC for d in getattr(t, "_dynamo_weak_dynamic_indices", ())}
-                    if isinstance(t, Tensor)
-                    else None
-                ),
-                args,
-            )
-            # (inference tensors cannot be traced in place)
-            with torch.inference_mode(False), torch.no_grad(), self._tracing():
-                example = pytree.tree_map_only(Tensor, torch.clone, args)
-                module = _Graph(self.graphs[key[0]], None if key[0] in ("beam", "greedy") else self.model)
-                program = torch.export.export(module, example, dynamic_shapes={"args": shapes}, strict=False)
-                # Packaged in memory, then written atomically by us: PyTorch's own package writer, out of
-                # space, leaves its zip unfinished and aborts the process when it is collected.
-                package = io.BytesIO()
-                torch._inductor.aoti_compile_and_package(
-                    program, package_path=package, inductor_configs={"freezing": True, **self.options}
-                )
-                atomic_write(path, lambda tmp: tmp.write_bytes(package.getbuffer()))
-            self.compile_seconds += time.perf_counter() - start
+                package = _load_stored(path)
+            except _Damaged as damage:
+                print(f"aiayn: {path}: {damage}; compiling it again", file=sys.stderr)
+            else:
+                self.load_seconds += time.perf_counter() - start
+                return package
+        start = time.perf_counter()
+        try:
+            self.store.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(
+                f"{self.store}: cannot keep compiled graphs there ({error.strerror}); set "
+                "AIAYN_COMPILE_STORE to a writable directory, or to none to compile in memory"
+            ) from error
+        # the sizes marked dynamic where the buffers were made (_dynamic) are export's dynamic ones
+        shapes = pytree.tree_map(  # (the options that are not tensors are constants of the graph)
+            lambda t: (
+                {d: Dim.DYNAMIC for d in getattr(t, "_dynamo_weak_dynamic_indices", ())}
+                if isinstance(t, Tensor)
+                else None
+            ),
+            args,
+        )
+        # (inference tensors cannot be traced in place)
+        with torch.inference_mode(False), torch.no_grad(), self._tracing():
+            example = pytree.tree_map_only(Tensor, torch.clone, args)
+            module = _Graph(self.graphs[key[0]], None if key[0] in ("beam", "greedy") else self.model)
+            program = torch.export.export(module, example, dynamic_shapes={"args": shapes}, strict=False)
+            # Packaged in memory, then written atomically by us: PyTorch's own package writer, out of
+            # space, leaves its zip unfinished and aborts the process when it is collected.
+            archive = io.BytesIO()
+            # the package names its graph (its file's name, fingerprint included), which _load_stored
+            # checks: a whole package of another graph under this name would run on inputs it was not
+            # compiled for
+            configs = {"freezing": True, "aot_inductor.metadata": {GRAPH: path.stem}, **self.options}
+            torch._inductor.aoti_compile_and_package(program, package_path=archive, inductor_configs=configs)
+            atomic_write(path, lambda tmp: tmp.write_bytes(archive.getbuffer()))
+        self.compile_seconds += time.perf_counter() - start
+        # (not _load_stored: a package just compiled that does not load is an error, not a cache miss)
         start = time.perf_counter()
         package = _Package(torch._inductor.aoti_load_package(str(path)).loader)
         self.load_seconds += time.perf_counter() - start
         return package
+
+
+GRAPH = "aiayn.graph"  # a package's metadata: the name of the store file it was compiled for, without .pt2
+
+
+# What zipfile raises reading a damaged archive: BadZipFile is its word for it, but header fields it
+# trusts, damaged, raise the others (found by flipping each byte of a package's headers). Caught around
+# zipfile's reading alone, where none of them can be a mistake of ours; an OSError (the disk, a
+# permission) is not damage, and goes through.
+ZIP_DAMAGE = (zipfile.BadZipFile, EOFError, NotImplementedError, OverflowError, RuntimeError, ValueError,
+              zlib.error)  # fmt: skip
+
+
+class _Damaged(Exception):
+    """A store file that is not a whole package of the graph its name names: compiled again."""
+
+
+def _load_stored(path: Path) -> _Package:
+    """The package at path, checked before it is trusted; _Damaged, saying why, where the file is empty,
+    truncated, corrupted, not a package, or a package of another graph or of other weights."""
+    # Every member's CRC-32 first: PyTorch's loader checks none, and it dlopens the library it unpacks,
+    # so a few flipped bytes in it crashed the process (a segfault, or ld.so's assertion) instead of
+    # raising. Stored (uncompressed) members: this reads the file once, which loading does anyway.
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                with archive.open(member) as data:
+                    while data.read(1 << 20):
+                        pass
+    except ZIP_DAMAGE as error:
+        raise _Damaged(f"not a whole package ({error})") from None
+    # A whole zip archive that is no AOTInductor package (no library for its model in it) is refused with
+    # a RuntimeError, as is a library that cannot be loaded; only the loader runs in the try.
+    try:
+        loaded = torch._inductor.aoti_load_package(str(path))
+    except RuntimeError as error:
+        raise _Damaged(f"not a package PyTorch can load ({str(error).splitlines()[0]})") from None
+    # A whole package of another graph (another key, or another fingerprint's weights) loads and then runs
+    # on arguments it was not compiled for: with other shapes of as many tensors, nothing checks them.
+    graph = loaded.get_metadata().get(GRAPH)
+    if graph != path.stem:
+        raise _Damaged(f"a package of {graph or 'an unnamed graph'}, not of {path.stem}")
+    return _Package(loaded.loader)
 
 
 def _beam_work(

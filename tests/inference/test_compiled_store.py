@@ -1,9 +1,14 @@
 """The compiled graphs' store (compiled.py): AOTInductor packages that a later process loads instead of
-compiling, named for everything they were compiled from. Apart from test_compiled.py so that the two
-compile-heavy files run on two workers."""
+compiling, named for everything they were compiled from; a damaged one compiled again, and processes
+sharing a store. Apart from test_compiled.py so that the two compile-heavy files run on two workers."""
 
 import dataclasses
 import errno
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
 
 import pytest
 import torch
@@ -21,37 +26,163 @@ def model():
     return eos_heavy_model()
 
 
-def test_a_store_serves_a_later_decoder_without_compiling(model, tmp_path):
-    """Graphs exported to a store (AOTInductor packages) give eager's hypotheses, and a decoder made later
-    over a fresh copy of the model (a second process, as far as it can tell) loads them instead of
-    compiling: the cached second run of `--compile`. Greedy over 3 sentences and beam 4 over 1 are both 4
-    rows, but two steps (cross-attention keys/values of 4 rows and of 1): one must not run the other's.
-    (One sentence, so one beam graph: each package costs the suite seconds of C++ compiling.)"""
+def check(model, decoder, width: int) -> None:
+    """Greedy over 3 sentences and beam 4 over 1 with decoder: eager's hypotheses. Both are 4 rows, but two
+    steps (cross-attention keys/values of 4 rows and of 1): one must not run the other's. (One sentence,
+    so one beam graph: each package costs the suite seconds of C++ compiling.)"""
+    for batch, beam in ((3, 1), (1, 4)):
+        src = sources(batch, width, seed=batch + width)
+        config = SearchConfig(beam_size=beam, n_best=beam, max_len_b=20)
+        want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
+        assert [[h.tokens for h in hyps] for hyps in search(decoder, src, config)] == want
 
-    def check(decoder, width):
-        for batch, beam in ((3, 1), (1, 4)):
-            src = sources(batch, width, seed=batch + width)
-            config = SearchConfig(beam_size=beam, n_best=beam, max_len_b=20)
-            want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
-            assert [[h.tokens for h in hyps] for hyps in search(decoder, src, config)] == want
 
-    first = CompiledDecoder(model, store=tmp_path, max_autotune=False)
-    check(first, 9)
+@pytest.fixture(scope="module")
+def store(model, tmp_path_factory):
+    """A store of packages that a first decoder compiled for check's searches, giving eager's hypotheses;
+    the tests that damage it copy it first (compiling it again would cost each of them tens of seconds)."""
+    store = tmp_path_factory.mktemp("store")
+    first = CompiledDecoder(model, store=store, max_autotune=False)
+    check(model, first, 9)
     assert first.compile_seconds > 0
+    return store
+
+
+def test_a_store_serves_a_later_decoder_without_compiling(model, store):
+    """Graphs exported to a store (AOTInductor packages) give eager's hypotheses (the store fixture), and a
+    decoder made later over a fresh copy of the model (a second process, as far as it can tell) loads
+    them instead of compiling: the cached second run of `--compile`."""
     # encoder, cross keys/values and step, for 4 sentences and for 1; beam search's own work for 1,
     # greedy search's for 3 and fewer live sentences and for 1
     assert (
-        sorted(p.name.split("-")[0] for p in tmp_path.glob("*.pt2"))
+        sorted(p.name.split("-")[0] for p in store.glob("*.pt2"))
         == ["beam"] + ["cross"] * 2 + ["encoder"] * 2 + ["greedy"] * 2 + ["step"] * 2
     )
     copy = Transformer(preset("tiny", vocab_size=V)).eval()
     copy.load_state_dict(model.state_dict())
-    later = CompiledDecoder(copy, store=tmp_path, max_autotune=False)
+    later = CompiledDecoder(copy, store=store, max_autotune=False)
     for width in (9, 15):  # the source length is dynamic in the packages too
-        check(later, width)
+        check(copy, later, width)
     assert later.compile_seconds == 0.0 and later.load_seconds > 0
     # the packages compute attention as its arithmetic too (test_on_a_cpu_compiled_graphs_write_attention_out)
     assert fused_attention_calls(later, sources(3, 9, seed=1), SearchConfig(beam_size=1, max_len_b=8)) == 0
+
+
+def flipped(data: bytes) -> bytes:
+    """data with 64 bytes in the middle inverted (in a package, the middle of its compiled library)."""
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 64]) + data[middle + 64 :]
+
+
+# How each store file is damaged, from its bytes and the bytes of another graph's package
+DAMAGES = {
+    "truncated": lambda data, other: data[: len(data) // 2],  # a copy cut short
+    "corrupted": lambda data, other: flipped(data),  # bits flipped on a disk (no error reading them)
+    "foreign": lambda data, other: other,  # another graph's whole package under this name
+}
+
+
+def beam_search(decoder) -> tuple[list, list]:
+    """Beam 4 over 1 sentence (check's second search) with decoder: its hypotheses' tokens and scores."""
+    config = SearchConfig(beam_size=4, n_best=4, max_len_b=20)
+    hyps = search(decoder, sources(1, 9, seed=10), config)
+    return [[h.tokens for h in hs] for hs in hyps], [[h.score for h in hs] for hs in hyps]
+
+
+def assert_same(got: tuple[list, list], want: tuple[list, list]) -> None:
+    """The same tokens, and scores within rounding."""
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("damage", "graph"), [("truncated", "cross-1-"), ("corrupted", "beam-"), ("foreign", "cross-1-")]
+)
+def test_a_damaged_package_is_compiled_again_with_one_line_saying_so(
+    model, store, tmp_path, capsys, damage, graph
+):
+    """A store file that is not a whole package of its graph (truncated, bits flipped, another graph's) is
+    a cache miss: that graph alone is compiled again and its file replaced (a new file renamed over it),
+    with one line on stderr naming it, and the search gives eager's hypotheses; a decoder made later loads
+    the new file without compiling. (PyTorch's loader raises a RuntimeError on a truncated file, runs
+    another graph's package on inputs it was not compiled for, and checks no checksum of the library it
+    loads: flipped bytes there crash the process or go unnoticed.)"""
+    damaged = shutil.copytree(store, tmp_path / "store")
+    (target,) = damaged.glob(f"{graph}*.pt2")
+    (other,) = damaged.glob("encoder-1-*.pt2")
+    target.write_bytes(DAMAGES[damage](target.read_bytes(), other.read_bytes()))
+    files = {p.name: p.stat().st_ino for p in damaged.iterdir()}
+    capsys.readouterr()
+    decoder = CompiledDecoder(model, store=damaged, max_autotune=False)
+    assert_same(beam_search(decoder), beam_search(model))
+    assert decoder.compile_seconds > 0
+    assert {p.name: p.stat().st_ino for p in damaged.iterdir()}.keys() == files.keys()  # nothing left beside
+    assert [name for name, ino in files.items() if (damaged / name).stat().st_ino != ino] == [target.name]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"aiayn: {target}: ") and "compiling it again" in lines[0]
+    later = CompiledDecoder(model, store=damaged, max_autotune=False)
+    assert_same(beam_search(later), beam_search(model))
+    assert later.compile_seconds == 0.0 and capsys.readouterr().err == ""
+
+
+# One process of test_two_processes_compiling_one_graph_into_a_store_at_once: the tiny model from a weights
+# file, a decoder over the store, and (once the other process is as far) a beam search, printed as JSON.
+COMPILE_IN_A_PROCESS = """
+import json, sys, time
+from pathlib import Path
+import torch
+from aiayn.config import SearchConfig, preset
+from aiayn.inference.compiled import CompiledDecoder
+from aiayn.inference.search import search
+from aiayn.model import Transformer
+torch.set_num_threads(1)
+weights, store, ready, me, src, vocab_size = sys.argv[1:]
+model = Transformer(preset("tiny", vocab_size=int(vocab_size))).eval()
+model.load_state_dict(torch.load(weights))
+decoder = CompiledDecoder(model, store=store, max_autotune=False)
+Path(ready, me).touch()
+deadline = time.monotonic() + 120
+while len(list(Path(ready).iterdir())) < 2:
+    if time.monotonic() > deadline:
+        sys.exit("the other process never came")
+    time.sleep(0.01)
+hyps = search(decoder, torch.tensor(json.loads(src)), SearchConfig(beam_size=4, n_best=4, max_len_b=20))
+print(json.dumps({"tokens": [[h.tokens for h in hs] for hs in hyps], "scores": [[h.score for h in hs] for hs in hyps],
+                  "compiled": decoder.compile_seconds > 0}))
+"""
+
+
+def test_two_processes_compiling_one_graph_into_a_store_at_once(model, store, tmp_path):
+    """Two processes sharing a store both miss one graph at the same moment and both compile it: each
+    renames its own whole file over the other's (temporary names never collide), both give eager's
+    hypotheses, and the store is left holding only whole packages, which a later decoder loads."""
+    shared = shutil.copytree(store, tmp_path / "store")
+    (shared / next(store.glob("cross-1-*.pt2")).name).unlink()  # the graph both compile
+    weights, ready = tmp_path / "weights.pt", tmp_path / "ready"
+    torch.save(model.state_dict(), weights)
+    ready.mkdir()
+    src = json.dumps(sources(1, 9, seed=10).tolist())
+    argv = [sys.executable, "-c", COMPILE_IN_A_PROCESS, weights, shared, ready]
+    processes = [
+        subprocess.Popen(
+            [*argv, str(i), src, str(V)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for i in range(2)
+    ]
+    results = [process.communicate(timeout=300) for process in processes]
+    want = beam_search(model)
+    for process, (out, err) in zip(processes, results):
+        assert process.returncode == 0, err
+        result = json.loads(out)
+        assert result["compiled"]  # both missed the graph: neither found the other's file
+        assert_same((result["tokens"], result["scores"]), want)
+    assert sorted(p.name for p in shared.iterdir()) == sorted(p.name for p in store.iterdir())
+    for package in shared.iterdir():
+        with zipfile.ZipFile(package) as archive:
+            assert archive.testzip() is None
+    later = CompiledDecoder(model, store=shared, max_autotune=False)
+    assert_same(beam_search(later), want)
+    assert later.compile_seconds == 0.0
 
 
 def test_a_package_is_named_for_the_weights_options_and_code_it_was_compiled_with(
