@@ -497,14 +497,9 @@ def test_other_runtime_errors_are_not_called_out_of_memory(tokenizer, tmp_path, 
 # --- A full disk ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("save", ["save_checkpoint", "save_model"])
-def test_a_full_disk_at_a_save_is_one_line_and_the_run_resumes_to_the_same_weights(
-    small_disk, tmp_path, monkeypatch, save
-):
-    """The disk fills while update 2's checkpoint, or OUT's model, is written (torch.save's RuntimeError
-    and safetensors' SafetensorError were tracebacks): one line naming what was being written and what
-    to do; with the space back, --resume ends with the weights of a run that never stopped. A resume on
-    the still-full disk is one line too."""
+def reference_run(tmp_path: Path) -> tuple[Path, list]:
+    """Three updates of a tiny model validated at each, uninterrupted, into tmp_path/ref: (the corpus
+    prefix, the flags), for a run that a fault interrupts to be compared with."""
     prefix = write_parallel(tmp_path / "c", SRC[:200], TGT[:200])
     flags = [
         "--max-updates",
@@ -516,6 +511,24 @@ def test_a_full_disk_at_a_save_is_one_line_and_the_run_resumes_to_the_same_weigh
     ]
     code, _, stderr = run(*tiny_train(prefix, tmp_path / "ref", *flags))
     assert code == 0, stderr
+    return prefix, flags
+
+
+def assert_same_weights(want: Path, got: Path) -> None:
+    """The model directories hold bit-identical weights."""
+    a, b = (safetensors.torch.load_file(str(d / "model.safetensors")) for d in (want, got))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("save", ["save_checkpoint", "save_model"])
+def test_a_full_disk_at_a_save_is_one_line_and_the_run_resumes_to_the_same_weights(
+    small_disk, tmp_path, monkeypatch, save
+):
+    """The disk fills while update 2's checkpoint, or OUT's model, is written (torch.save's RuntimeError
+    and safetensors' SafetensorError were tracebacks): one line naming what was being written and what
+    to do; with the space back, --resume ends with the weights of a run that never stopped. A resume on
+    the still-full disk is one line too."""
+    prefix, flags = reference_run(tmp_path)
     from aiayn.training.run import Run
 
     owner = checkpoint if save == "save_checkpoint" else Run  # update 2's checkpoint; OUT's first model
@@ -537,8 +550,7 @@ def test_a_full_disk_at_a_save_is_one_line_and_the_run_resumes_to_the_same_weigh
     filler[0].unlink()
     code, _, stderr = run(*tiny_train(prefix, out, *flags, "--resume"))
     assert code == 0, stderr
-    want, got = (safetensors.torch.load_file(str(d / "model.safetensors")) for d in (tmp_path / "ref", out))
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert_same_weights(tmp_path / "ref", out)
 
 
 def contents(directory: Path) -> dict[str, bytes]:
@@ -614,17 +626,7 @@ def test_out_changed_under_the_run_is_one_line_and_what_was_saved_resumes(
     removed: one line naming the path (never a checkpoint re-made in a new, empty OUT); once the disk
     is writable again or the directory moved away, --resume ends with the weights of a run that never
     stopped."""
-    prefix = write_parallel(tmp_path / "c", SRC[:200], TGT[:200])
-    flags = [
-        "--max-updates",
-        3,
-        "--set",
-        "valid_every=1",
-        "--valid",
-        write_parallel(tmp_path / "v", SRC[200:], TGT[200:]),
-    ]
-    code, _, stderr = run(*tiny_train(prefix, tmp_path / "ref", *flags))
-    assert code == 0, stderr
+    prefix, flags = reference_run(tmp_path)
     out = small_disk / "run"
     from aiayn.training.run import Run
 
@@ -659,5 +661,4 @@ def test_out_changed_under_the_run_is_one_line_and_what_was_saved_resumes(
         (out / "model.safetensors").rmdir()
     code, _, stderr = run(*tiny_train(prefix, out, *flags, "--resume"))
     assert code == 0, stderr
-    want, got = (safetensors.torch.load_file(str(d / "model.safetensors")) for d in (tmp_path / "ref", out))
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert_same_weights(tmp_path / "ref", out)

@@ -387,6 +387,13 @@ class CompiledDecoder(Decoder):
             return contextlib.nullcontext()
         return sdpa_kernel(SDPBackend.MATH)
 
+    def _path(self, key: tuple) -> Path:
+        """Where the store keeps graph key's package: its name holds the key and the fingerprint."""
+        assert self.store is not None
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.model, self.options)
+        return self.store / f"{'-'.join(map(str, key))}-{self._fingerprint}.pt2"
+
     def _package(self, key: tuple, args: tuple) -> _Package:
         """The AOTInductor package of graph key from the store, exported and compiled into it first if it
         is not there, or if what is there is not a whole package of this graph (_load_stored: a damaged
@@ -394,10 +401,7 @@ class CompiledDecoder(Decoder):
         never read half a file, and two compiling the same graph at once each rename a whole file of their
         own (atomic_write's temporary names are unique) over it. The package holds the model's weights as
         constants, so its name holds a hash of them."""
-        assert self.store is not None
-        if self._fingerprint is None:
-            self._fingerprint = fingerprint(self.model, self.options)
-        path = self.store / f"{'-'.join(map(str, key))}-{self._fingerprint}.pt2"
+        path = self._path(key)
         if path.is_file():
             start = time.perf_counter()
             try:
@@ -625,11 +629,6 @@ class StoredDecoder(CompiledDecoder):
         super().__init__(model, store=store, **options)
 
     def _call(self, key: tuple, *args: Any) -> Any:
-        if key not in self._packages:
-            assert self.store is not None
-            if self._fingerprint is None:
-                self._fingerprint = fingerprint(self.model, self.options)
-            # the name CompiledDecoder._package reads (a test loads what a compile stored through it)
-            if not (self.store / f"{'-'.join(map(str, key))}-{self._fingerprint}.pt2").is_file():
-                raise NotStored(key)
+        if key not in self._packages and not self._path(key).is_file():
+            raise NotStored(key)
         return super()._call(key, *args)
