@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 Dtype = Literal["auto", "fp32", "bf16", "fp16", "int8"]
 TrainDtype = Literal["auto", "fp32", "bf16", "fp16"]  # int8 is for translation only
@@ -106,46 +107,81 @@ def has_vnni() -> bool:
     return "avx512_vnni" in cpu_flags() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
-class Int8Linear(nn.Module):
-    """y = x W^T + b with W stored as int8 and one scale per output row (symmetric: W ~ scale * W_int8).
+Route = Literal["w8a8", "woq", "fp32"]
+RowClass = Literal["one", "few", "many"]
 
-    With AVX512-VNNI the activations are quantised per row as well, on every call (W8A8, as CTranslate2's
-    int8), and `torch._int_mm` multiplies int8 by int8 into int32 (oneDNN). A row is quantised around its
+# How an int8 layer multiplies, by CPU class and by the rows of the call: "one", a decoding step of one
+# hypothesis (a matrix-vector product); "few", 2 to 15 rows (a step of beam 4 or of a few sentences);
+# "many", 16 rows and more, and any count a compiled graph leaves dynamic (the encoder). The routes:
+# "w8a8", int8 x int8 with torch._int_mm (oneDNN, integer products only vectorised with VNNI); "woq",
+# int8 weights and bf16 activations (_weight_int8pack_mm, vectorised for AVX2 and AVX-512); "fp32", the
+# float weights (MKL). Measured, not guessed: per kernel by benchmarks/bench_gemm.py (the results in
+# docs/bench_gemm_cpu.json and, capped at AVX2, docs/bench_gemm_cpu_avx2.json; tests/test_precision.py
+# checks the AVX2 row against its file) and per model by benchmarks/bench_translate.py. Without VNNI
+# integer products are 3-7x slower than either float route, and from 16 rows on bf16 activations, which
+# AVX2 widens to fp32 for every product, lose to fp32 by 1.4-1.8x: there a batch runs the float weights,
+# kept beside the int8 ones, and int8 is never slower than fp32. With VNNI a few rows take the weights-only
+# route: oneDNN packs the weight for _int_mm on every call from two rows on, and inductor's template for
+# int8 weights ran a beam-4 search of one sentence faster.
+INT8_ROUTES: dict[str, dict[RowClass, Route]] = {
+    "vnni": {"one": "w8a8", "few": "woq", "many": "w8a8"},
+    "avx2": {"one": "woq", "few": "woq", "many": "fp32"},  # and every CPU without VNNI
+}
+
+
+def cpu_class() -> str:
+    """The row of INT8_ROUTES this process takes: "vnni" or "avx2" (every CPU without VNNI)."""
+    return "vnni" if has_vnni() else "avx2"
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 and one scale per output row (symmetric: W ~ scale * W_int8),
+    multiplied by the route the CPU class takes for the rows of the call (INT8_ROUTES).
+
+    w8a8: the activations are quantised per row as well, on every call (as CTranslate2's int8), and
+    `torch._int_mm` multiplies int8 by int8 into int32 (oneDNN). A row is quantised around its
     midpoint m = (max + min) / 2, x ~ m + s * x_int8 with s = (max - min) / 254, so that the 255 levels
     span the row's own range: the feed-forward's second layer reads ReLU outputs, all >= 0, which
     quantised around 0 would use half of them. Then x W^T = s * (x_int8 W^T) + m * (the sum of each row
     of W), the sums kept with the weight (on Multi30k, de->en: BLEU 0.10-0.16 closer to fp32 than around 0).
-    Without VNNI, where `_int_mm` is a scalar loop, only the weights are int8 and the activations go in
-    as bf16 (`_weight_int8pack_mm`, vectorised for AVX2 and AVX-512 only with bf16 activations). So do 2
-    to 15 rows with VNNI (`_few_rows`: a decoding step of beam 4 at one sentence, or of a few sentences):
-    from two rows on oneDNN packs the weight for `_int_mm` on every call, and inductor's GEMM template for
-    int8 weights at few rows ran a `small` beam-4 search at one sentence faster (bench_translate.py); one row (a
-    matrix-vector product in oneDNN) and 16 or more stay W8A8. Under torch.compile the quantisation of
-    the activations fuses into one kernel.
+    Under torch.compile the quantisation of the activations fuses into one kernel.
+    woq: only the weights are int8; the activations go in as bf16 (`_weight_int8pack_mm`).
+    fp32: the float weights, kept beside the int8 ones where a row class takes them.
     """
 
-    def __init__(self, linear: nn.Linear, w8a8: bool):
+    def __init__(self, linear: nn.Linear, routes: Route | dict[RowClass, Route]):
         super().__init__()
+        if isinstance(routes, str):
+            routes = dict.fromkeys(("one", "few", "many"), routes)
+        self.routes = dict(routes)
         weight = linear.weight.detach().float()  # (N, K)
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
         q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
-        self.w8a8 = w8a8
+        uses = set(self.routes.values())
         # the nn.Linear layout (N, K) for both kernels: _int_mm takes it as (K, N) column-major, W^T, which
         # at one row oneDNN multiplies as a matrix-vector product, faster than a (K, N) row-major copy
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("scale_bf16", scale.bfloat16())  # as _weight_int8pack_mm takes it
-        row_sum = q.float().sum(dim=1) * scale if w8a8 else None  # (N,) the rows of W dequantised, summed
+        row_sum = q.float().sum(dim=1) * scale if "w8a8" in uses else None  # (N,) W's rows dequantised, summed
         self.register_buffer("row_sum", row_sum)
+        self.register_buffer("weight_fp32", weight.clone() if "fp32" in uses else None)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def w8a8(self) -> bool:
+        """Whether some row class multiplies int8 by int8 (its rows() are dequantised with the fp32 scale)."""
+        return "w8a8" in self.routes.values()
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., K) float -> (..., N) float32."""
         shape = x.shape
-        few = _few_rows(x)
+        route = self.routes[_row_class(x)]
         x = x.reshape(-1, shape[-1]).float()  # (M, K)
-        if self.w8a8 and not few:
+        if route == "fp32":
+            return F.linear(x, self.weight_fp32, self.bias).reshape(*shape[:-1], self.out_features)
+        if route == "w8a8":
             low, high = torch.aminmax(x, dim=1, keepdim=True)  # (M, 1) each
             mid, x_scale = (high + low) / 2, ((high - low) / 254).clamp(min=1e-12)  # (M, 1)
             xq = ((x - mid) / x_scale).round().clamp(-127, 127).to(torch.int8)  # (M, K)
@@ -164,16 +200,17 @@ class Int8Linear(nn.Module):
         return self.weight.index_select(0, index).float() * scale.index_select(0, index)[:, None]
 
     def extra_repr(self) -> str:
-        kind = "int8 x int8 (VNNI)" if self.w8a8 else "int8 weights, bf16 activations"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+        routes = ", ".join(f"{rows} rows {route}" for rows, route in self.routes.items())
+        return f"in_features={self.in_features}, out_features={self.out_features}, {routes}"
 
 
-def _few_rows(x: Tensor) -> bool:
-    """Whether x (R, L, K) is 2 to 15 rows (R * L: a decoding step of a few sentences or hypotheses) of fixed
-    sizes: a compiled step's are; an encoder's source length, dynamic in its graph, is not asked about."""
+def _row_class(x: Tensor) -> RowClass:
+    """Which rows x (R, L, K) is (R * L of a decoding step): one, few (2 to 15) or many, for sizes fixed
+    in a compiled graph (a step's are); an encoder's source length, dynamic in its graph, counts as many."""
     if x.dim() != 3 or type(x.size(0)) is not int or type(x.size(1)) is not int:
-        return False
-    return 1 < x.size(0) * x.size(1) < 16
+        return "many"
+    rows = x.size(0) * x.size(1)
+    return "one" if rows == 1 else "few" if rows < 16 else "many"
 
 
 def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
@@ -189,7 +226,7 @@ def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
     if resolve_dtype(dtype, device) == "int8":
         if device.type != "cpu":
             raise ValueError("dtype int8 is for CPU translation; use bf16 on a GPU")
-        return _int8_copy(model.eval(), w8a8=has_vnni())
+        return _int8_copy(model.eval(), INT8_ROUTES[cpu_class()])
     if device.type == "cpu":
         with torch.no_grad():
             for module in model.modules():
@@ -200,11 +237,11 @@ def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
     return model.eval()
 
 
-def _int8_copy(model: nn.Module, w8a8: bool) -> nn.Module:
+def _int8_copy(model: nn.Module, routes: dict[RowClass, Route]) -> nn.Module:
     """A deep copy of model with every nn.Linear replaced by an Int8Linear (the model is left as it is)."""
     quantised = copy.deepcopy(model)
     for module in list(quantised.modules()):
         for name, child in module.named_children():
             if type(child) is nn.Linear:
-                setattr(module, name, Int8Linear(child, w8a8))
+                setattr(module, name, Int8Linear(child, routes))
     return quantised

@@ -4,8 +4,9 @@ int8 weights with bf16 or fp32 activations (_weight_int8pack_mm), int8 x int8 (t
 with VNNI; and oneDNN's qlinear with a prepacked weight), and fbgemm's dynamic quantisation (the
 deprecated quantize_dynamic).
 
-    python benchmarks/bench_gemm.py [--threads 2] [--rows 1,4,32]
-The last line printed is JSON.
+    python benchmarks/bench_gemm.py [--threads 2] [--rows 1,4,32] [--isa avx2] [--results FILE]
+The last line printed is JSON. The int8 route a CPU class takes (precision.INT8_ROUTES) is read from these
+files, one per class: docs/bench_gemm_cpu.json natively, docs/bench_gemm_cpu_avx2.json capped at AVX2.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
+from common import ISA_CAPS, cap_isa, machine, save_results  # noqa: E402
 
 SHAPES = ((256, 256), (256, 1024), (1024, 256), (256, 8000), (512, 2048))  # (in, out)
 
@@ -83,7 +84,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,4,32")
+    ap.add_argument("--isa", choices=sorted(ISA_CAPS), default="native", help="cap at this instruction set")
+    ap.add_argument("--results", help="also write the summary to this JSON file")
     args = ap.parse_args()
+    cap_isa(args.isa)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"machine: {machine()}, {args.threads} threads")
@@ -98,9 +102,9 @@ def main() -> None:
                     + "  ".join(f"{k} {v:8.1f}" for k, v in cell.items() if k not in ("rows", "in", "out")),
                     flush=True,
                 )
-    print(
-        json.dumps({"benchmark": "gemm", "machine": machine(), "threads": args.threads, "us_per_call": rows})
-    )
+    summary = {"benchmark": "gemm", "machine": machine(), "threads": args.threads, "us_per_call": rows}
+    print(json.dumps(summary))
+    save_results(args.results, summary)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from aiayn.precision import Int8Linear, for_inference, has_vnni
+from aiayn.precision import INT8_ROUTES, Int8Linear, cpu_class, for_inference
 
 
 def quantise_rows(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +43,7 @@ def test_w8a8_is_integer_products_of_both_quantised_sides(linear, shift):
     exact = (
         integer * xs.double()[:, None] * ws.double() + mid.double()[:, None] * row_sums + layer.bias.double()
     )
-    got = Int8Linear(layer, w8a8=True)(x)
+    got = Int8Linear(layer, "w8a8")(x)
     assert got.shape == (5, 4, 48) and got.dtype == torch.float32
     torch.testing.assert_close(got.reshape(-1, 48).double(), exact, atol=1e-4, rtol=1e-5)
 
@@ -63,7 +63,7 @@ def test_w8a8_quantises_positive_inputs_finer_than_around_zero(linear):
     around_zero = (xq.double() * xs.double()[:, None]) @ (
         wq.double() * ws.double()[:, None]
     ).t() + layer.bias.double()
-    midpoint = Int8Linear(layer, w8a8=True)(x).reshape(-1, 48).double()
+    midpoint = Int8Linear(layer, "w8a8")(x).reshape(-1, 48).double()
     assert (midpoint - reference).abs().mean() < 0.6 * (around_zero - reference).abs().mean()
 
 
@@ -72,7 +72,7 @@ def test_weight_only_int8_uses_bf16_activations(linear):
     wq, ws = quantise_rows(layer.weight.detach())
     dequantised = wq * ws.bfloat16().float()[:, None]
     expected = x.bfloat16().float() @ dequantised.t() + layer.bias.detach()
-    torch.testing.assert_close(Int8Linear(layer, w8a8=False)(x), expected, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(Int8Linear(layer, "woq")(x), expected, atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 15, 16, 32])
@@ -82,8 +82,8 @@ def test_a_few_rows_of_a_decoding_step_take_bf16_activations(linear, rows):
     stay W8A8."""
     layer, _ = linear
     x = torch.randn(rows, 1, 64)
-    w8a8 = Int8Linear(layer, w8a8=True)
-    weight_only = Int8Linear(layer, w8a8=False)
+    w8a8 = Int8Linear(layer, INT8_ROUTES["vnni"])
+    weight_only = Int8Linear(layer, "woq")
     with torch.no_grad():
         want_weight_only = 1 < rows < 16
         got = w8a8(x)
@@ -93,10 +93,23 @@ def test_a_few_rows_of_a_decoding_step_take_bf16_activations(linear, rows):
             torch.testing.assert_close(got, w8a8(more)[:rows])
 
 
+@pytest.mark.parametrize("rows", [1, 4, 15, 16, 32])
+def test_without_vnni_a_batch_takes_the_float_weights(linear, rows):
+    """The route of a CPU without VNNI: int8 weights with bf16 activations up to 15 rows, the float
+    weights, exactly, from 16 rows on (and for a count a compiled graph leaves dynamic: 2-D here)."""
+    layer, _ = linear
+    x = torch.randn(rows, 1, 64)
+    int8 = Int8Linear(layer, INT8_ROUTES["avx2"])
+    with torch.no_grad():
+        want = layer(x) if rows >= 16 else Int8Linear(layer, "woq")(x)
+        assert torch.equal(int8(x), want)
+        assert torch.equal(int8(x.reshape(rows, 64)), layer(x.reshape(rows, 64)))
+
+
 @pytest.mark.parametrize("w8a8", [True, False])
 def test_int8_is_close_to_fp32_and_its_rows_dequantise(linear, w8a8):
     layer, x = linear
-    int8 = Int8Linear(layer, w8a8)
+    int8 = Int8Linear(layer, "w8a8" if w8a8 else "woq")
     with torch.no_grad():
         reference = layer(x)
     error = (int8(x) - reference).abs().max() / reference.abs().max()
@@ -111,17 +124,20 @@ def test_for_inference_int8_replaces_every_linear_of_a_copy():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
     int8 = for_inference(model, "int8")
     assert [type(m) for m in int8.modules() if isinstance(m, (nn.Linear, Int8Linear))] == [Int8Linear] * 2
-    assert all(m.w8a8 == has_vnni() for m in int8.modules() if isinstance(m, Int8Linear))
+    assert all(m.routes == INT8_ROUTES[cpu_class()] for m in int8.modules() if isinstance(m, Int8Linear))
     assert [type(m) for m in model.modules()].count(nn.Linear) == 2  # the float model is as it was
 
 
-def test_a_cpu_capped_at_avx2_takes_fp32_and_int8_without_vnni():
+def test_a_cpu_capped_at_avx2_takes_fp32_and_the_int8_routes_without_vnni():
     """dtype auto takes bf16 only where AMX multiplies it: a process whose kernels are capped at AVX2
     (what an AVX2 laptop has; ATEN_CPU_CAPABILITY, as the benchmarks' --isa avx2 sets) emulates bf16,
     whatever tiles the CPU has, and trains and translates in fp32."""
     code = (
         "import torch; from aiayn.precision import has_vnni, resolve_dtype; "
-        "print(resolve_dtype('auto', torch.device('cpu')), torch._C._cpu._init_amx(), has_vnni())"
+        "print(resolve_dtype('auto', torch.device('cpu')), torch._C._cpu._init_amx(), has_vnni()); "
+        "from aiayn.precision import for_inference, INT8_ROUTES; "
+        "m = for_inference(torch.nn.Sequential(torch.nn.Linear(4, 4)), 'int8'); "
+        "print(m[0].routes == INT8_ROUTES['avx2'], m[0].routes == INT8_ROUTES['vnni'])"
     )
     for capability, amx_allowed in (("avx2", False), (None, True)):
         env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
@@ -130,7 +146,9 @@ def test_a_cpu_capped_at_avx2_takes_fp32_and_int8_without_vnni():
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
-        dtype, amx, vnni = out.stdout.split()
+        dtype, amx, vnni, avx2_routes, vnni_routes = out.stdout.split()
         assert dtype == ("bf16" if amx == "True" and amx_allowed else "fp32"), (capability, out.stdout)
-        if capability:  # int8 takes the route without VNNI (weights only), as on an AVX2 laptop
+        # int8 takes the routes of its CPU class: capped, those of an AVX2 laptop without VNNI
+        assert (avx2_routes, vnni_routes) == (("False", "True") if vnni == "True" else ("True", "False"))
+        if capability:
             assert vnni == "False"

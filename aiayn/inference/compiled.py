@@ -574,7 +574,7 @@ def fingerprint(model: Transformer, options: dict) -> str:
         digest.update((Path(__file__).parents[1] / name).read_bytes())
     digest.update(repr(model.config).encode())
     modules = [
-        (name, type(m).__name__, m.w8a8 if isinstance(m, Int8Linear) else None)
+        (name, type(m).__name__, sorted(m.routes.items()) if isinstance(m, Int8Linear) else None)
         for name, m in model.named_modules()
     ]
     cpu = cpu_info()
