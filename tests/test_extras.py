@@ -24,7 +24,7 @@ from aiayn.tokenizer import Tokenizer
 # What the extras bring, and what uvicorn and FastAPI pull in beside them
 OPTIONAL = (
     "fastapi", "starlette", "pydantic", "uvicorn", "httptools", "uvloop", "prometheus_client", "datasets",
-    "matplotlib", "ctranslate2", "keras", "tensorboard", "transformers",
+    "matplotlib", "ctranslate2", "keras", "tensorboard", "transformers", "optimum", "onnx", "onnxruntime",
 )  # fmt: skip
 SERVE = ("fastapi", "uvicorn", "prometheus_client")
 # The modules that belong to an extra: the rest of the package is the core
@@ -119,6 +119,14 @@ REFUSALS = {
     "export --format ctranslate2": (
         ("ctranslate2",), "export {root}/model --format ctranslate2 --out {root}/ct2",
         "--format ctranslate2 needs the ctranslate2 package", "ctranslate2", "ct2",
+    ),
+    "export --format transformers": (
+        ("transformers",), "export {root}/model --format transformers --out {root}/hf",
+        "--format transformers needs the transformers package", "transformers", "hf",
+    ),
+    "export --format onnx": (
+        ("onnxruntime",), "export {root}/model --format onnx --out {root}/onnx",
+        "--format onnx needs the onnxruntime package", "onnx", "onnx",
     ),
     "export --format keras": (
         ("keras",), "export {root}/model --format keras --out {root}/m.keras",

@@ -65,11 +65,13 @@ def add_export(sub: Any) -> None:
     p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
     p.add_argument(
         "--format",
-        choices=["ctranslate2", "keras"],
+        choices=["ctranslate2", "keras", "transformers", "onnx"],
         default="ctranslate2",
-        help="ctranslate2: a CTranslate2 model directory; keras: a Keras 3 .keras file (docs/export.md)",
+        help="ctranslate2: a CTranslate2 model directory; keras: a Keras 3 .keras file; transformers: a "
+        "Hugging Face model directory (Marian, Pegasus or Blenderbot); onnx: that model in ONNX, for ONNX "
+        "Runtime (docs/export.md)",
     )
-    p.add_argument("--out", required=True, help="directory to write (ctranslate2) or FILE.keras (keras)")
+    p.add_argument("--out", required=True, help="directory to write, or FILE.keras (keras)")
     p.add_argument("--quantization", help="CTranslate2 weight type, e.g. int8 or float16 (default float32)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_export)
@@ -84,6 +86,17 @@ def cmd_export(args: argparse.Namespace) -> None:
             raise ValueError("--quantization is CTranslate2's; the Keras export keeps the weights in float32")
         check_writable_file(args.out, "Keras model")
         dest = export_keras(args.model, args.out, force=args.force)
+    elif args.format in ("transformers", "onnx"):
+        if args.format == "onnx":
+            need("--format onnx", "onnx", "transformers", "optimum.exporters.onnx", "onnxruntime")
+        need("--format transformers", "transformers", "transformers")
+        from aiayn.interop import huggingface
+
+        if args.quantization is not None:
+            raise ValueError(f"--quantization is CTranslate2's; the {args.format} export keeps the weights in float32")
+        check_writable_dir(args.out)
+        export = huggingface.export_onnx if args.format == "onnx" else huggingface.export_transformers
+        dest = export(args.model, args.out, force=args.force)
     else:
         need("--format ctranslate2", "ctranslate2", "ctranslate2")
         from aiayn.interop.ctranslate2 import export_ctranslate2
