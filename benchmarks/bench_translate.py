@@ -92,7 +92,7 @@ FAILURES = (RuntimeError, ValueError, ImportError)
 
 
 def may_fail(name: str) -> bool:
-    return name.startswith(("aiayn compiled", "ctranslate2"))
+    return name.startswith(("aiayn compiled", "ctranslate2", "onnxruntime"))
 
 
 def aiayn_translator(
@@ -205,6 +205,36 @@ def ctranslate2_translator(shape: dict, dtype: str, workdir: Path, threads: int,
             max_decoding_length=NEW_TOKENS,
             return_scores=False,
         )
+
+    return run
+
+
+def onnxruntime_translator(shape: dict, dtype: str, workdir: Path):
+    """The same random aiayn weights through `aiayn export --format onnx`'s route (the transformers
+    export, then Optimum's ONNX exporter), run by ONNX Runtime with Optimum's generate; fp32 only (ONNX
+    Runtime's int8 is a separate quantisation step that aiayn does not export). In a child process:
+    ONNX Runtime's thread pool beside PyTorch's OpenMP would share the 2 cores as CTranslate2's did."""
+    if dtype != "fp32":
+        raise ValueError(f"onnxruntime: the export is fp32, not {dtype}")
+    from optimum.exporters.onnx import main_export
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    from aiayn.interop.huggingface import to_transformers
+
+    out = workdir / f"onnx-{shape['d_model']}"
+    if not out.exists():
+        torch.manual_seed(0)
+        hf_dir = workdir / f"hf-{shape['d_model']}"
+        to_transformers(aiayn_model(shape).eval()).save_pretrained(hf_dir)
+        main_export(model_name_or_path=str(hf_dir), output=str(out), task="text2text-generation-with-past",
+                    do_validation=False, library_name="transformers")  # fmt: skip
+    model = ORTModelForSeq2SeqLM.from_pretrained(out)
+
+    def run(batch: list[list[int]], beam: int) -> None:
+        src = pad(batch)
+        with torch.inference_mode():
+            model.generate(input_ids=src, attention_mask=src != PAD, num_beams=beam, do_sample=False,
+                           min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS, early_stopping=False)  # fmt: skip
 
     return run
 
@@ -431,6 +461,10 @@ def translators(args: argparse.Namespace, workdir: Path, notes: list[str]) -> di
             store=workdir / "store",
             max_sentences=args.compiled_max_sentences,
         )
+    if not have("optimum.onnxruntime"):
+        notes.append("optimum-onnx not installed: ONNX Runtime skipped")
+    elif device.type == "cpu":
+        makers["onnxruntime"] = lambda shape, dtype: InChildProcess(onnxruntime_translator, shape, dtype, workdir)
     if not have("ctranslate2"):
         notes.append("ctranslate2 not installed: skipped")
     elif device.type == "cpu":
