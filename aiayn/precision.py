@@ -114,17 +114,19 @@ RowClass = Literal["one", "few", "many"]
 # hypothesis (a matrix-vector product); "few", 2 to 15 rows (a step of beam 4 or of a few sentences);
 # "many", 16 rows and more, and any count a compiled graph leaves dynamic (the encoder). The routes:
 # "w8a8", int8 x int8 with torch._int_mm (oneDNN, integer products only vectorised with VNNI); "woq",
-# int8 weights and bf16 activations (_weight_int8pack_mm, vectorised for AVX2 and AVX-512); "fp32", the
-# float weights (MKL). Measured, not guessed: per kernel by benchmarks/bench_gemm.py (the results in
-# docs/bench_gemm_cpu.json and, capped at AVX2, docs/bench_gemm_cpu_avx2.json; tests/test_precision.py
-# checks the AVX2 row against its file) and per model by benchmarks/bench_translate.py. Without VNNI
-# integer products are 3-7x slower than either float route, and from 16 rows on bf16 activations, which
-# AVX2 widens to fp32 for every product, lose to fp32 by 1.4-1.8x: there a batch runs the float weights,
-# kept beside the int8 ones, and int8 is never slower than fp32. With VNNI a few rows take the weights-only
-# route: oneDNN packs the weight for _int_mm on every call from two rows on, and inductor's template for
-# int8 weights ran a beam-4 search of one sentence faster.
+# int8 weights and bf16 activations (_weight_int8pack_mm, vectorised for AVX2 and AVX-512, which
+# max_autotune replaces by inductor's own GEMM template); "fp32", the float weights (MKL). Measured, not
+# guessed: per kernel by benchmarks/bench_gemm.py (docs/bench_gemm_cpu.json and, capped at AVX2,
+# docs/bench_gemm_cpu_avx2.json; tests/test_precision.py checks the AVX2 row against its file) and per
+# model by benchmarks/bench_translate.py. With VNNI, one row runs the weights-only route (compiled greedy
+# search of one sentence: 1.5x W8A8 for `small`, 1.6x for `base`, where oneDNN's int8 matrix-vector call
+# cost about 15 us whatever its size), a few rows too (oneDNN packs the weight for _int_mm on every call
+# from two rows on; even with W8A8 per model, fp32 there 0.3-0.7x), and a batch W8A8. Without VNNI integer
+# products are 3-7x slower than either float route, and from 16 rows on bf16 activations, which AVX2
+# widens to fp32 for every product, lose to fp32 by 1.4-1.8x: there a batch runs the float weights,
+# kept beside the int8 ones, and int8 is never slower than fp32.
 INT8_ROUTES: dict[str, dict[RowClass, Route]] = {
-    "vnni": {"one": "w8a8", "few": "woq", "many": "w8a8"},
+    "vnni": {"one": "woq", "few": "woq", "many": "w8a8"},
     "avx2": {"one": "woq", "few": "woq", "many": "fp32"},  # and every CPU without VNNI
 }
 

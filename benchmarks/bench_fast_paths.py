@@ -7,7 +7,7 @@ each size compiles: `first pass` includes it, `warm` is a second pass). Greedy t
 are compared with eager's one by one. The shortlist is learned from the model's data/ if it has no
 vmap.txt (`aiayn shortlist`).
 
-    python benchmarks/bench_fast_paths.py MODEL --src val.de.gz --ref val.en.gz [--paths ...]
+    python benchmarks/bench_fast_paths.py MODEL --src val.de.gz --ref val.en.gz [--paths ...] [--isa avx2]
 The last line printed is JSON.
 """
 
@@ -26,7 +26,7 @@ import sacrebleu
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, set_threads  # noqa: E402
+from common import ISA_CAPS, cap_isa, machine, set_threads  # noqa: E402
 
 from aiayn.inference.shortlist import VMAP_FILE  # noqa: E402
 from aiayn.inference.translate import Translator  # noqa: E402
@@ -59,7 +59,9 @@ def main() -> None:
         default=4096,
         help="source tokens x beam per batch (compiled: <= 32 sentences)",
     )
+    ap.add_argument("--isa", choices=sorted(ISA_CAPS), default="native", help="cap at this instruction set")
     args = ap.parse_args()
+    cap_isa(args.isa)
     set_threads()
     src, ref = read(args.src), read(args.ref)
     if not (Path(args.model) / VMAP_FILE).is_file() and "shortlist" in args.paths:

@@ -66,10 +66,12 @@ def quality(record: dict) -> str:
 
 
 def speed(train: dict, translate: dict) -> str:
-    """aiayn against the best peer on the same workload, in one run of each benchmark."""
+    """aiayn against the peers on the same workload, in one run of each benchmark: training against the
+    best peer; translation against CTranslate2 (the faster of its thread counts), ONNX Runtime and
+    transformers' generate, where the run measured them."""
     lines = [
-        "| workload | aiayn | aiayn compiled | best peer | aiayn's best / peer |",
-        "|---|---:|---:|---|---:|",
+        "| training | aiayn | best peer | aiayn / peer |",
+        "|---|---:|---|---:|",
     ]
     for config in sorted({r["config"] for r in train["results"]}, key=["small", "base"].index):
         for dtype in sorted({r["dtype"] for r in train["results"]}):
@@ -77,9 +79,18 @@ def speed(train: dict, translate: dict) -> str:
                     if (r["config"], r["dtype"]) == (config, dtype)}  # fmt: skip
             peer = max((s for s in rows if not s.startswith("aiayn")), key=rows.get)
             lines.append(
-                f"| train `{config}` {dtype}, target tokens/s | {rows['aiayn']:,.0f} | - | "
+                f"| `{config}` {dtype}, target tokens/s | {rows['aiayn']:,.0f} | "
                 f"{rows[peer]:,.0f} ({PEERS.get(peer, peer)}) | {rows['aiayn'] / rows[peer]:.2f}x |"
             )
+    systems = {r["system"] for r in translate["results"]}
+    others = [s for s in ("onnxruntime", "marian generate") if s in systems]
+    lines += [
+        "",
+        "| translation, sentences/s | aiayn | aiayn compiled | CTranslate2 | "
+        + "".join(f"{PEERS[s]} | " for s in others)
+        + "aiayn's best / best peer |",
+        "|---|---:|---:|---:|" + "---:|" * len(others) + "---:|",
+    ]
     cells = sorted(
         {(r["config"], r["dtype"], r["search"], r["batch"]) for r in translate["results"]},
         key=lambda c: (["small", "base"].index(c[0]), c[1] != "fp32", c[2] != "greedy", -c[3]),
@@ -87,20 +98,24 @@ def speed(train: dict, translate: dict) -> str:
     for cell in cells:
         rows = {r["system"]: r["sentences_per_s"] for r in translate["results"]
                 if (r["config"], r["dtype"], r["search"], r["batch"]) == cell}  # fmt: skip
-        peer = max((s for s in rows if s.startswith("ctranslate2")), key=rows.get)
+        ct2 = max((s for s in rows if s.startswith("ctranslate2")), key=rows.get)
+        peers = [s for s in rows if not s.startswith("aiayn")]
+        best_peer = max(rows[s] for s in peers)
         compiled = rows.get("aiayn compiled (store)")
         best = max(rows["aiayn"], compiled or 0)
         config, dtype, search, batch = cell
         sentences = "1 sentence" if batch == 1 else f"{batch} sentences a batch"
         lines.append(
-            f"| translate `{config}` {dtype}, {search}, {sentences}: sentences/s | {rows['aiayn']:.1f} | "
-            f"{f'{compiled:.1f}' if compiled else '-'} | {rows[peer]:.1f} ({PEERS.get(peer, peer)}) | "
-            f"{best / rows[peer]:.2f}x |"
+            f"| `{config}` {dtype}, {search.replace('beam', 'beam ')}, {sentences} | {rows['aiayn']:.1f} | "
+            f"{f'{compiled:.1f}' if compiled else '-'} | {rows[ct2]:.1f} ({ct2.split()[-1]}) | "
+            + "".join(f"{rows[s]:.1f} | " if s in rows else "- | " for s in others)
+            + f"{best / best_peer:.2f}x |"
         )
     lines += [
         "",
         f"Training: {train['machine']}, {train['date']} (`{train['command']}`). Translation: "
-        f"{translate['machine']}, {translate['date']} (`{translate['command']}`).",
+        f"{translate['machine']}, {translate['date']} (`{translate['command']}`); CTranslate2 with the "
+        "faster of 1 and 2 threads (t), ONNX Runtime fp32 only.",
     ]
     return "\n".join(lines)
 
@@ -110,6 +125,8 @@ PEERS = {
     "marian": "HF Marian",
     "ctranslate2 1t": "CTranslate2, 1 thread",
     "ctranslate2 2t": "CTranslate2, 2 threads",
+    "onnxruntime": "ONNX Runtime",
+    "marian generate": "transformers generate",
 }
 
 

@@ -1,8 +1,10 @@
 """int8 inference layers (precision.Int8Linear) against the quantisation formulas written here."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,16 +78,16 @@ def test_weight_only_int8_uses_bf16_activations(linear):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 15, 16, 32])
-def test_a_few_rows_of_a_decoding_step_take_bf16_activations(linear, rows):
-    """With VNNI, 2 to 15 rows (R, L) take the weight-only path: integer products of both sides are the
-    slower kernel there (oneDNN packs the weight on every call from two rows on); 1 row and 16 or more
-    stay W8A8."""
+def test_with_vnni_the_rows_of_a_decoding_step_take_bf16_activations(linear, rows):
+    """With VNNI, up to 15 rows (R, L) take the weight-only path: integer products of both sides are the
+    slower kernel there (oneDNN's matrix-vector call costs the same at any size, and it packs the weight
+    on every call from two rows on); 16 or more are W8A8."""
     layer, _ = linear
     x = torch.randn(rows, 1, 64)
     w8a8 = Int8Linear(layer, INT8_ROUTES["vnni"])
     weight_only = Int8Linear(layer, "woq")
     with torch.no_grad():
-        want_weight_only = 1 < rows < 16
+        want_weight_only = rows < 16
         got = w8a8(x)
         assert torch.equal(got, weight_only(x)) == want_weight_only
         if not want_weight_only:  # W8A8 quantises row by row: the same numbers among 20 more rows
@@ -152,3 +154,16 @@ def test_a_cpu_capped_at_avx2_takes_fp32_and_the_int8_routes_without_vnni():
         assert (avx2_routes, vnni_routes) == (("False", "True") if vnni == "True" else ("True", "False"))
         if capability:
             assert vnni == "False"
+
+
+def test_the_int8_routes_without_vnni_are_the_fastest_kernels_measured_under_avx2():
+    """INT8_ROUTES["avx2"] is what bench_gemm.py measured capped at AVX2 (docs/bench_gemm_cpu_avx2.json):
+    for each row class (1, 4 and 32 rows of a decoding step's matrix products), the route whose kernel
+    took the least time over the model's shapes."""
+    results = json.loads((Path(__file__).parents[1] / "docs" / "bench_gemm_cpu_avx2.json").read_text())
+    assert "capped at AVX2" in results["machine"]
+    kernels = {"fp32": "mkl_fp32", "woq": "int8_weights_bf16_act", "w8a8": "int_mm_int8"}
+    for row_class, rows in (("one", 1), ("few", 4), ("many", 32)):
+        cells = [cell for cell in results["us_per_call"] if cell["rows"] == rows]
+        times = {route: sum(cell[kernel] for cell in cells) for route, kernel in kernels.items()}
+        assert INT8_ROUTES["avx2"][row_class] == min(times, key=times.get), (row_class, times)

@@ -128,7 +128,7 @@ def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
     P = residual_permutation(config)
     weights: dict[str, Tensor] = {}
 
-    def reads(name: str, linear: nn.Linear | None, weight: Tensor, bias: Tensor) -> None:
+    def reads(name: str, weight: Tensor, bias: Tensor) -> None:
         """A projection that reads the stream: its input columns permuted."""
         weights[f"{name}.weight"], weights[f"{name}.bias"] = weight[:, P], bias
 
@@ -142,10 +142,10 @@ def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
     def attention(name: str, weight: Tensor, bias: Tensor, parts: str) -> None:
         """Fused rows [W^Q; W^K; W^V] (or [W^K; W^V]) as transformers' separate q_proj, k_proj, v_proj."""
         for part, w, b in zip(parts, weight.chunk(len(parts)), bias.chunk(len(parts)), strict=True):
-            reads(f"{name}.{part}_proj", None, w, b)
+            reads(f"{name}.{part}_proj", w, b)
 
     def feed_forward(name: str, layer) -> None:
-        reads(f"{name}.fc1", None, layer.feed_forward.w_1.weight, layer.feed_forward.w_1.bias)
+        reads(f"{name}.fc1", layer.feed_forward.w_1.weight, layer.feed_forward.w_1.bias)
         writes(f"{name}.fc2", layer.feed_forward.w_2)
         norm(f"{name}.final_layer_norm", layer.feed_forward_norm)
 
@@ -161,7 +161,7 @@ def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
         writes(f"{name}.self_attn.out_proj", layer.self_attn.out_proj)
         norm(f"{name}.self_attn_layer_norm", layer.self_attn_norm)
         cross = layer.cross_attn
-        reads(f"{name}.encoder_attn.q_proj", None, cross.q_proj.weight, cross.q_proj.bias)
+        reads(f"{name}.encoder_attn.q_proj", cross.q_proj.weight, cross.q_proj.bias)
         attention(f"{name}.encoder_attn", cross.kv_proj.weight, cross.kv_proj.bias, "kv")
         writes(f"{name}.encoder_attn.out_proj", cross.out_proj)
         norm(f"{name}.encoder_attn_layer_norm", layer.cross_attn_norm)
@@ -204,11 +204,12 @@ def to_transformers(model: Transformer):
     hf = classes[hf_cfg.model_type](hf_cfg).eval()
     weights = hf_state_dict(model)
     missing, unexpected = hf.load_state_dict(weights, strict=False)
-    tied = {name for name, tensor in hf.state_dict().items() if name not in weights}
-    computed = {name for name in tied if name.endswith("embed_positions.weight")}  # sinusoids, made at load
+    computed = {name for name in missing if name.endswith("embed_positions.weight")}  # sinusoids, made at load
     left = set(missing) - computed - _tied_names(hf)
     if left or unexpected:
-        raise RuntimeError(f"aiayn's weights do not fill {hf_cfg.model_type}: missing {sorted(left)}, unexpected {sorted(unexpected)}")
+        raise RuntimeError(
+            f"aiayn's weights do not fill {hf_cfg.model_type}: missing {sorted(left)}, unexpected {sorted(unexpected)}"
+        )
     check_logits(model, hf)
     return hf
 
