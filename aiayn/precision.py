@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -125,10 +127,12 @@ RowClass = Literal["one", "few", "many"]
 # products are 3-7x slower than either float route, and from 16 rows on bf16 activations, which AVX2
 # widens to fp32 for every product, lose to fp32 by 1.4-1.8x: there a batch runs the float weights,
 # kept beside the int8 ones, and int8 is never slower than fp32.
-INT8_ROUTES: dict[str, dict[RowClass, Route]] = {
-    "vnni": {"one": "woq", "few": "woq", "many": "w8a8"},
-    "avx2": {"one": "woq", "few": "woq", "many": "fp32"},  # and every CPU without VNNI
-}
+INT8_ROUTES: Mapping[str, Mapping[RowClass, Route]] = MappingProxyType(
+    {
+        "vnni": MappingProxyType({"one": "woq", "few": "woq", "many": "w8a8"}),
+        "avx2": MappingProxyType({"one": "woq", "few": "woq", "many": "fp32"}),  # every CPU without VNNI
+    }
+)
 
 
 def cpu_class() -> str:
@@ -151,7 +155,7 @@ class Int8Linear(nn.Module):
     fp32: the float weights, kept beside the int8 ones where a row class takes them.
     """
 
-    def __init__(self, linear: nn.Linear, routes: Route | dict[RowClass, Route]):
+    def __init__(self, linear: nn.Linear, routes: Route | Mapping[RowClass, Route]):
         super().__init__()
         if isinstance(routes, str):
             routes = dict.fromkeys(("one", "few", "many"), routes)
@@ -165,7 +169,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("scale_bf16", scale.bfloat16())  # as _weight_int8pack_mm takes it
-        row_sum = q.float().sum(dim=1) * scale if "w8a8" in uses else None  # (N,) W's rows dequantised, summed
+        row_sum = (
+            q.float().sum(dim=1) * scale if "w8a8" in uses else None
+        )  # (N,) W's rows dequantised, summed
         self.register_buffer("row_sum", row_sum)
         self.register_buffer("weight_fp32", weight.clone() if "fp32" in uses else None)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
@@ -239,7 +245,7 @@ def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
     return model.eval()
 
 
-def _int8_copy(model: nn.Module, routes: dict[RowClass, Route]) -> nn.Module:
+def _int8_copy(model: nn.Module, routes: Mapping[RowClass, Route]) -> nn.Module:
     """A deep copy of model with every nn.Linear replaced by an Int8Linear (the model is left as it is)."""
     quantised = copy.deepcopy(model)
     for module in list(quantised.modules()):

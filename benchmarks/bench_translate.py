@@ -464,7 +464,9 @@ def translators(args: argparse.Namespace, workdir: Path, notes: list[str]) -> di
     if not have("optimum.onnxruntime"):
         notes.append("optimum-onnx not installed: ONNX Runtime skipped")
     elif device.type == "cpu":
-        makers["onnxruntime"] = lambda shape, dtype: InChildProcess(onnxruntime_translator, shape, dtype, workdir)
+        makers["onnxruntime"] = lambda shape, dtype: InChildProcess(
+            onnxruntime_translator, shape, dtype, workdir
+        )
     if not have("ctranslate2"):
         notes.append("ctranslate2 not installed: skipped")
     elif device.type == "cpu":

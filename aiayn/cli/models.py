@@ -93,7 +93,9 @@ def cmd_export(args: argparse.Namespace) -> None:
         from aiayn.interop import huggingface
 
         if args.quantization is not None:
-            raise ValueError(f"--quantization is CTranslate2's; the {args.format} export keeps the weights in float32")
+            raise ValueError(
+                f"--quantization is CTranslate2's; the {args.format} export keeps the weights in float32"
+            )
         check_writable_dir(args.out)
         export = huggingface.export_onnx if args.format == "onnx" else huggingface.export_transformers
         dest = export(args.model, args.out, force=args.force)

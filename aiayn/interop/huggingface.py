@@ -204,7 +204,9 @@ def to_transformers(model: Transformer):
     hf = classes[hf_cfg.model_type](hf_cfg).eval()
     weights = hf_state_dict(model)
     missing, unexpected = hf.load_state_dict(weights, strict=False)
-    computed = {name for name in missing if name.endswith("embed_positions.weight")}  # sinusoids, made at load
+    computed = {
+        name for name in missing if name.endswith("embed_positions.weight")
+    }  # sinusoids, made at load
     left = set(missing) - computed - _tied_names(hf)
     if left or unexpected:
         raise RuntimeError(
@@ -241,7 +243,9 @@ def check_logits(model: Transformer, hf, tolerance: float = CHECK_TOLERANCE) -> 
         got = logits.log_softmax(-1)[..., : config.tgt_vocab_size]
     error = (got - want).abs().max().item()
     if not error <= tolerance:
-        raise RuntimeError(f"the {type(hf).__name__} export differs from the model by {error:.2e} (> {tolerance:g})")
+        raise RuntimeError(
+            f"the {type(hf).__name__} export differs from the model by {error:.2e} (> {tolerance:g})"
+        )
 
 
 def generation_config(search: SearchConfig, hf_cfg):
@@ -279,7 +283,9 @@ def tokenizer_files(tokenizer_json: str, max_positions: int) -> dict[str, str]:
 
     tok = HFTokenizer.from_str(tokenizer_json)
     eos = SPECIAL_TOKENS[EOS_ID]
-    tok.post_processor = TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, EOS_ID)])
+    tok.post_processor = TemplateProcessing(
+        single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, EOS_ID)]
+    )
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[BOS_ID],
@@ -296,7 +302,9 @@ def tokenizer_files(tokenizer_json: str, max_positions: int) -> dict[str, str]:
 
 
 def _check_out(model_dir: Path, out: Path, force: bool) -> None:
-    if out.exists() and (out.resolve() == model_dir.resolve() or out.resolve() in model_dir.resolve().parents):
+    if out.exists() and (
+        out.resolve() == model_dir.resolve() or out.resolve() in model_dir.resolve().parents
+    ):
         raise ValueError(f"{out}: the export cannot replace the model directory it reads, or one holding it")
     check_replaceable(out, force)
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / AIAYN_CONFIG).is_file())):

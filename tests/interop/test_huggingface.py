@@ -31,7 +31,9 @@ from aiayn.model import Transformer, sinusoids  # noqa: E402
 from aiayn.tokenizer import EOS_ID, PAD_ID, Tokenizer  # noqa: E402
 
 _rng = random.Random(0)
-SOURCES = [" ".join(f"w{_rng.randrange(EOS_HEAVY_V - 4)}" for _ in range(_rng.randint(1, 20))) for _ in range(40)]
+SOURCES = [
+    " ".join(f"w{_rng.randrange(EOS_HEAVY_V - 4)}" for _ in range(_rng.randint(1, 20))) for _ in range(40)
+]
 DEMO = generate(40, seed=77)[0]  # 40 sentences of the demo's synthetic task
 
 EXPORTED = {  # configuration -> the class that holds it
@@ -106,12 +108,17 @@ def test_the_export_loads_without_warnings_and_computes_aiayns_log_probabilities
     "changes, reason",
     [
         ({"positions": "learned"}, "post-norm model with learned positions"),
-        ({"norm": "pre", "share_embeddings": False, "src_vocab_size": 30}, "pre-norm model with two vocabularies"),
+        (
+            {"norm": "pre", "share_embeddings": False, "src_vocab_size": 30},
+            "pre-norm model with two vocabularies",
+        ),
     ],
 )
 def test_a_configuration_no_transformers_class_holds_is_refused_with_its_reason(changes, reason, tmp_path):
     model = random_model(**changes)
-    save_model(tmp_path / "model", model, word_tokenizer(model.config.src_vocab_size, model.config.tgt_vocab_size))
+    save_model(
+        tmp_path / "model", model, word_tokenizer(model.config.src_vocab_size, model.config.tgt_vocab_size)
+    )
     with pytest.raises(ValueError, match=reason):
         export_transformers(tmp_path / "model", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
@@ -152,7 +159,9 @@ def generated(hf, tokenizer, texts: list[str], search: SearchConfig) -> list[lis
     limit = max(search.max_length(n) for n in batch["attention_mask"].sum(1).tolist())
     beams = dict(num_beams=search.beam_size, length_penalty=search.alpha, early_stopping="never")
     with torch.no_grad():
-        out = hf.generate(**batch, **(beams if search.beam_size > 1 else {"num_beams": 1}), max_new_tokens=limit)
+        out = hf.generate(
+            **batch, **(beams if search.beam_size > 1 else {"num_beams": 1}), max_new_tokens=limit
+        )
     rows = [row[1:].tolist() for row in out]
     return [row[: row.index(EOS_ID)] if EOS_ID in row else row for row in rows]
 
@@ -219,7 +228,9 @@ def test_the_onnx_export_runs_on_onnx_runtime_with_aiayns_tokens(exported, tmp_p
     # plain ONNX Runtime: the encoder's states are transformers' (in the export's feature order)
     session = onnxruntime.InferenceSession(str(tmp_path / "onnx" / "encoder_model.onnx"))
     batch = tokenizer(SOURCES[:4], return_tensors="np", padding=True)
-    (states,) = session.run(None, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+    (states,) = session.run(
+        None, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    )
     with torch.no_grad():
         want = hf.get_encoder()(input_ids=torch.from_numpy(batch["input_ids"]),
                                 attention_mask=torch.from_numpy(batch["attention_mask"])).last_hidden_state  # fmt: skip
@@ -248,14 +259,19 @@ def test_a_model_directory_of_an_older_aiayn_still_exports(exported, tmp_path):
     assert hf.generation_config.num_beams == 4
     src, tgt_in = padded_batch(ours.model)
     with torch.no_grad():
-        got = hf(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in).logits.log_softmax(-1)
+        got = hf(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in).logits.log_softmax(
+            -1
+        )
         torch.testing.assert_close(got, ours.model(src, tgt_in).log_softmax(-1), atol=1e-4, rtol=0)
 
 
 def test_the_cli_exports_and_refuses_as_the_other_exports(served_model, tmp_path, capsys, monkeypatch):
     out = tmp_path / "hf"
     assert main(["export", str(served_model), "--format", "transformers", "--out", str(out)]) in (0, None)
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"format": "transformers", "out": str(out)}
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {
+        "format": "transformers",
+        "out": str(out),
+    }
     assert main(["export", str(served_model), "--format", "transformers", "--out", str(out)]) == 2
     assert "already exists; use --force" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "transformers", None)
