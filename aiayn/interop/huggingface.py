@@ -117,8 +117,10 @@ def hf_config(config: ModelConfig):
         )
     if kind == "pegasus":
         return transformers.PegasusConfig(**common)
-    # (None: the generation config's 0 holds; Blenderbot's own default forbids repeating a source trigram)
-    return transformers.BlenderbotConfig(**common, encoder_no_repeat_ngram_size=None)
+    # Blenderbot's own default forbids repeating a source trigram. transformers 4 takes None (the generation
+    # config's 0 then holds, without a warning that it moved there); 5's typed config wants the 0 itself
+    no_repeat = 0 if int(transformers.__version__.split(".")[0]) >= 5 else None
+    return transformers.BlenderbotConfig(**common, encoder_no_repeat_ngram_size=no_repeat)
 
 
 def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
