@@ -32,6 +32,7 @@ from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 CONFIG, WEIGHTS, STATE, TRAIN_CONFIG = "config.json", "model.safetensors", "state.pt", "train.json"
 SEARCH = "search.json"
+EXPORT_CONFIG = "aiayn_config.json"  # our ModelConfig in an export, beside the other engine's config.json
 CHECKPOINTS = "checkpoints"
 
 # Names of model directories written before the special ids left ModelConfig and the layer norms left
@@ -165,6 +166,18 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> Tra
     model = Transformer(load_model_config(directory))
     load_weights(model, directory / WEIGHTS)
     return model.to(device).eval()
+
+
+def check_export_out(model_dir: Path, out: Path, force: bool) -> None:
+    """An export's OUT may replace (with force) only an earlier export (holding EXPORT_CONFIG) or an empty
+    directory, never the model directory it reads nor one holding it."""
+    if out.exists() and (
+        out.resolve() == model_dir.resolve() or out.resolve() in model_dir.resolve().parents
+    ):
+        raise ValueError(f"{out}: the export cannot replace the model directory it reads, or one holding it")
+    check_replaceable(out, force)
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / EXPORT_CONFIG).is_file())):
+        raise ValueError(f"{out}: --force replaces only an earlier export (with {EXPORT_CONFIG}), not this")
 
 
 # --- Training checkpoints -------------------------------------------------------------------------

@@ -12,15 +12,15 @@ from ctranslate2.converters import Converter
 from ctranslate2.specs import common_spec, model_spec, transformer_spec
 from tqdm import tqdm
 
-from aiayn.checkpoint import load_model, read_model_config
+from aiayn.checkpoint import EXPORT_CONFIG, check_export_out, load_model, read_model_config
 from aiayn.config import SearchConfig, save_json
-from aiayn.files import check_replaceable, staged_dir
+from aiayn.files import staged_dir
 from aiayn.inference.search import Hypothesis, length_penalty
 from aiayn.inference.shortlist import VMAP_FILE
 from aiayn.model import CrossAttention, FeedForward, SelfAttention, Transformer
 from aiayn.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, UNK_ID, Tokenizer
 
-AIAYN_CONFIG = "aiayn_config.json"  # our ModelConfig; CTranslate2 writes its own config.json beside it
+AIAYN_CONFIG = EXPORT_CONFIG  # our ModelConfig; CTranslate2 writes its own config.json beside it
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses; CTranslate2 would assume 1e-6
 
 
@@ -128,13 +128,7 @@ def export_ctranslate2(
             f"unknown quantization {quantization!r}; "
             f"choose one of {', '.join(model_spec.ACCEPTED_MODEL_TYPES)}"
         )
-    if out.exists() and (
-        out.resolve() == model_dir.resolve() or out.resolve() in model_dir.resolve().parents
-    ):
-        raise ValueError(f"{out}: the export cannot replace the model directory it reads, or one holding it")
-    check_replaceable(out, force)
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / AIAYN_CONFIG).is_file())):
-        raise ValueError(f"{out}: --force replaces only an earlier export (with {AIAYN_CONFIG}), not this")
+    check_export_out(model_dir, out, force)
     model = load_model(model_dir)
     tokenizer = Tokenizer.load(model_dir)
     spec = ctranslate2_spec(model, tokenizer)

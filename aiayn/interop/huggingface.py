@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from aiayn.checkpoint import load_model, load_search
+from aiayn.checkpoint import EXPORT_CONFIG, check_export_out, load_model, load_search
 from aiayn.config import ModelConfig, SearchConfig, save_json
-from aiayn.files import check_replaceable, staged_dir
+from aiayn.files import staged_dir
 from aiayn.model import Transformer
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, Tokenizer
 
-AIAYN_CONFIG = "aiayn_config.json"  # our ModelConfig, beside transformers' config.json
+AIAYN_CONFIG = EXPORT_CONFIG  # our ModelConfig, beside transformers' config.json
 TARGET_TOKENIZER = "target_tokenizer"  # two vocabularies: the target's tokenizer, which decodes outputs
 CHECK_TOLERANCE = 1e-4  # the exported model's logits against aiayn's, checked before anything is written
 
@@ -303,16 +303,6 @@ def tokenizer_files(tokenizer_json: str, max_positions: int) -> dict[str, str]:
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=1) + "\n"}
 
 
-def _check_out(model_dir: Path, out: Path, force: bool) -> None:
-    if out.exists() and (
-        out.resolve() == model_dir.resolve() or out.resolve() in model_dir.resolve().parents
-    ):
-        raise ValueError(f"{out}: the export cannot replace the model directory it reads, or one holding it")
-    check_replaceable(out, force)
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / AIAYN_CONFIG).is_file())):
-        raise ValueError(f"{out}: --force replaces only an earlier export (with {AIAYN_CONFIG}), not this")
-
-
 def write_transformers(model_dir: Path, directory: Path) -> str:
     """Write the transformers directory of model_dir into directory (existing, empty); its model type."""
     model = load_model(model_dir)
@@ -344,7 +334,7 @@ def export_transformers(model_dir: str | Path, out: str | Path, force: bool = Fa
     model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json (and aiayn's
     config). OUT is made under a temporary name and renamed: a failed export leaves nothing half written."""
     model_dir, out = Path(model_dir), Path(out)
-    _check_out(model_dir, out, force)
+    check_export_out(model_dir, out, force)
     with staged_dir(out) as tmp:
         write_transformers(model_dir, tmp)
     return out
@@ -358,7 +348,7 @@ def export_onnx(model_dir: str | Path, out: str | Path, force: bool = False) -> 
     from optimum.exporters.onnx import main_export
 
     model_dir, out = Path(model_dir), Path(out)
-    _check_out(model_dir, out, force)
+    check_export_out(model_dir, out, force)
     with tempfile.TemporaryDirectory(prefix="aiayn-hf-") as hf_dir, staged_dir(out) as tmp:
         write_transformers(model_dir, Path(hf_dir))
         main_export(
