@@ -18,6 +18,16 @@ Cells: engines (torch: aiayn's search; ctranslate2: the exported model) x batchi
 
 Without --model it serves `runs/bench_serve/model`, trained once (preset small, de->en, 10 minutes on
 the Multi30k training set, the README's short-run recipe) when it is not there. The last line printed is JSON with every figure.
+
+--cold-start measures instead what a user waits for at the start, from an empty store of compiled graphs
+(and an empty inductor cache) and from the store that start filled: seconds from `aiayn serve` starting
+to its first translation (a client retrying every 0.25 s) and to full speed (every graph of the default
+search in), the compile seconds of each graph, the lines the console printed; and `aiayn translate
+--compile` of one sentence, empty and warm. Models of bench_translate.py's shapes with random weights
+(compiling does not look at the values) and a BPE vocabulary of Multi30k, under runs/bench_serve/.
+
+    python benchmarks/bench_serve.py --cold-start [--configs small,base] [--dtypes fp32,int8]
+                                     [--isa native|avx2] [--results FILE]
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import have, machine, steal_ticks  # noqa: E402
+from common import CONFIGS, cap_isa, have, machine, save_results, steal_ticks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
@@ -82,9 +92,9 @@ def trained_model(minutes: float) -> Path:
     return DEFAULT_MODEL
 
 
-def sentences(lang: str) -> list[str]:
-    """The Multi30k validation sentences in the model's source language."""
-    path = MULTI30K / f"val.{lang}.gz"
+def sentences(lang: str, split: str = "val") -> list[str]:
+    """The Multi30k sentences of a split (validation unless told) in one language."""
+    path = MULTI30K / f"{split}.{lang}.gz"
     if not path.exists():
         sys.exit(f"no {path}: the load uses real validation sentences")
     with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -276,6 +286,186 @@ def table(servers: list[dict], clients: list[int]) -> str:
     return "\n".join(lines)
 
 
+# --- Cold start: what a user waits for before the first translation and before full speed ---------------
+
+
+def cold_model(config: str) -> Path:
+    """runs/bench_serve/cold-CONFIG: bench_translate.py's shape with random weights, a joint BPE vocabulary
+    of its size learnt on Multi30k de-en, and the paper's search (beam 4)."""
+    out = ROOT / "runs" / "bench_serve" / f"cold-{config}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+
+    from aiayn.checkpoint import save_model
+    from aiayn.config import ModelConfig, SearchConfig
+    from aiayn.model import Transformer
+    from aiayn.tokenizer import Tokenizer
+
+    shape = CONFIGS[config]
+    de, en = sentences("de", "train"), sentences("en", "train")
+    tokenizer = Tokenizer.train(de, en, vocab_size=shape["vocab"])
+    vocab = tokenizer.src_vocab_size
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=shape["d_model"],
+                                    d_ff=shape["d_ff"], n_heads=shape["n_heads"],
+                                    n_encoder_layers=shape["n_layers"], n_decoder_layers=shape["n_layers"]))  # fmt: skip
+    save_model(out, model, tokenizer, SearchConfig())
+    return out
+
+
+class Console:
+    """A process's stderr, each line with the seconds since `start` at which it came."""
+
+    def __init__(self, stream, start: float):
+        import threading
+
+        self.lines: list[tuple[float, str]] = []
+        self.thread = threading.Thread(target=self.read, args=(stream, start), daemon=True)
+        self.thread.start()
+
+    def read(self, stream, start: float) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic() - start, line.rstrip("\n")))
+
+
+def cold_env(store: Path, cache: Path) -> dict:
+    return {**os.environ, "AIAYN_COMPILE_STORE": str(store), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+
+
+def serve_cold(model: Path, dtype: str, env: dict, text: str, log: Path) -> dict:
+    """`aiayn serve MODEL --dtype DTYPE` as a user starts it: seconds to the first translation, to full
+    speed, the compile seconds of each graph (the server's /info where it says them, else the console's
+    lines a batch size), and what the console printed."""
+    url = f"http://127.0.0.1:{free_port()}"
+    command = [
+        sys.executable,
+        "-m",
+        "aiayn",
+        "serve",
+        str(model),
+        "--port",
+        url.rsplit(":", 1)[1],
+        "--dtype",
+        dtype,
+    ]
+    start = time.monotonic()
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    console = Console(proc.stderr, start)
+    first = full = None
+    info: dict = {}
+    try:
+        while first is None:
+            if proc.poll() is not None:
+                sys.exit(
+                    f"the server ended ({proc.returncode}):\n"
+                    + "\n".join(line for _, line in console.lines[-30:])
+                )
+            try:
+                r = httpx.post(f"{url}/translate", json={"text": text}, timeout=600)
+                if r.status_code == 200:
+                    first = time.monotonic() - start
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        while full is None:  # a server that compiles in the background says how far it is in /info
+            info = httpx.get(f"{url}/info", timeout=60).json()
+            compiled = info.get("compiled")
+            if compiled is None or compiled.get("state") in ("done", "failed", "off"):
+                full = first if compiled is None else time.monotonic() - start
+                break
+            if proc.poll() is not None:
+                sys.exit("the server ended while compiling")
+            time.sleep(1.0)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    console.thread.join(5)
+    log.write_text("\n".join(f"{t:8.1f} {line}" for t, line in console.lines) + "\n", encoding="utf-8")
+    compiled = info.get("compiled") or {}
+    graphs = compiled.get("graphs")
+    if graphs is None:  # a server that compiles before it answers: its console's line per batch size
+        marks = [
+            (t, line)
+            for t, line in console.lines
+            if "compiled decoding: the graphs of" in line or "ready after" in line
+        ]
+        graphs = [{"graph": f"batch size {m[1].split('the graphs of ')[1].split(' ')[0]}", "seconds": round(n[0] - m[0], 1)}
+                  for m, n in zip(marks, marks[1:])]  # fmt: skip
+    autotune = sum("AUTOTUNE" in line for _, line in console.lines)
+    return {"first_s": round(first, 1), "full_s": round(full, 1), "graphs": graphs,
+            "compile_s": round(sum(g["seconds"] for g in graphs), 1), "console_lines": len(console.lines),
+            "autotune_lines": autotune, "state": compiled.get("state")}  # fmt: skip
+
+
+def translate_cold(model: Path, dtype: str, env: dict, text: str) -> float:
+    """Seconds of `aiayn translate MODEL --compile` of one sentence, as a new process."""
+    command = [
+        sys.executable,
+        "-m",
+        "aiayn",
+        "translate",
+        str(model),
+        "--compile",
+        "--dtype",
+        dtype,
+        "--quiet",
+    ]
+    start = time.monotonic()
+    subprocess.run(command, env=env, input=text + "\n", text=True, check=True, capture_output=True)
+    return round(time.monotonic() - start, 1)
+
+
+def cold_start(args) -> None:
+    import tempfile
+
+    cap_isa(args.isa)
+    text = sentences("de")[0]
+    load_before = os.getloadavg()[0]
+    print(f"{machine()}; load average before: {load_before:.2f}", flush=True)
+    logs = ROOT / "runs" / "bench_serve" / "cold-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for config in args.configs.split(","):
+        model = cold_model(config)
+        for dtype in args.dtypes.split(","):
+            with tempfile.TemporaryDirectory(prefix="aiayn-cold-") as scratch:
+                empty = cold_env(Path(scratch) / "store-1", Path(scratch) / "inductor-1")
+                filled = cold_env(Path(scratch) / "store-2", Path(scratch) / "inductor-2")
+                row = {
+                    "config": config,
+                    "dtype": dtype,
+                    "translate_empty_s": translate_cold(model, dtype, empty, text),
+                }
+                print(json.dumps(row), flush=True)
+                name = f"{config}-{dtype}-{args.isa}"
+                row["serve_empty"] = serve_cold(model, dtype, filled, text, logs / f"{name}-empty.log")
+                print(json.dumps(row), flush=True)
+                row["serve_warm"] = serve_cold(model, dtype, filled, text, logs / f"{name}-warm.log")
+                row["translate_warm_s"] = translate_cold(model, dtype, filled, text)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print()
+    print("| config | dtype | serve, empty store: first translation s | full speed s | graphs | compile s | "
+          "warm store: first s | full s | translate --compile, empty s | warm s |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        e, w = r["serve_empty"], r["serve_warm"]
+        print(f"| {r['config']} | {r['dtype']} | {e['first_s']:.1f} | {e['full_s']:.1f} | {len(e['graphs'])} | "
+              f"{e['compile_s']:.0f} | {w['first_s']:.1f} | {w['full_s']:.1f} | {r['translate_empty_s']:.1f} | "
+              f"{r['translate_warm_s']:.1f} |")  # fmt: skip
+    summary = {
+        "benchmark": "cold_start",
+        "machine": machine(),
+        "isa": args.isa,
+        "load_before": load_before,
+        "results": rows,
+    }
+    save_results(args.results, summary)
+    print(json.dumps(summary))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -291,7 +481,16 @@ def main() -> None:
     p.add_argument("--engines", default="torch,ctranslate2")
     p.add_argument("--soak", type=float, default=120.0, help="seconds of 64 clients watching RSS (0: none)")
     p.add_argument("--server-args", default="", help="more `aiayn serve` flags, space-separated")
+    p.add_argument("--cold-start", action="store_true", help="measure the start instead of the load (above)")
+    p.add_argument("--configs", default="small,base", help="--cold-start: the models' shapes")
+    p.add_argument("--dtypes", default="fp32,int8", help="--cold-start: the servers' --dtype")
+    p.add_argument(
+        "--isa", default="native", choices=["native", "avx2"], help="--cold-start: cap every process"
+    )
+    p.add_argument("--results", help="--cold-start: write the summary here (docs/ renders it)")
     args = p.parse_args()
+    if args.cold_start:
+        return cold_start(args)
     args.clients = [int(c) for c in args.clients.split(",")]
     args.server_args = args.server_args.split()
     engines = [e for e in args.engines.split(",") if e != "ctranslate2" or have("ctranslate2")]
