@@ -271,6 +271,10 @@ class ServeConfig:
     batch_sentences: int = _about(64, "lines per batch")
     batch_wait_ms: float = _about(5.0, "how long the worker waits for more lines when the queue is short")
     max_batch_requests: int = _about(0, "requests whose lines may share a batch (1: no batching; 0: any)")
+    ready_when_compiled: bool = _about(
+        False,
+        "/health says 503 until the compiled graphs are in, for a readiness probe (the server answers anyway)",
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -7,9 +7,10 @@ where it is fast, CUDA or a CPU with AMX tiles, and fp32 elsewhere.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Literal
 
@@ -213,12 +214,41 @@ class Int8Linear(nn.Module):
 
 
 def _row_class(x: Tensor) -> RowClass:
-    """Which rows x (R, L, K) is (R * L of a decoding step): one, few (2 to 15) or many, for sizes fixed
-    in a compiled graph (a step's are); an encoder's source length, dynamic in its graph, counts as many."""
-    if x.dim() != 3 or type(x.size(0)) is not int or type(x.size(1)) is not int:
+    """Which rows x (R, L, K) is (R * L of a decoding step): one, few (2 to 15) or many. Where a compiled
+    graph leaves the rows dynamic, the rows it is traced for (traced_rows); an encoder's source length,
+    dynamic in its graph, counts as many."""
+    if x.dim() != 3 or type(x.size(1)) is not int:
         return "many"
-    rows = x.size(0) * x.size(1)
+    rows = x.size(0) if type(x.size(0)) is int else _TRACED_ROWS.get()
+    if rows is None:
+        return "many"
+    return row_class(rows * x.size(1))
+
+
+def row_class(rows: int) -> RowClass:
+    """The class of a matrix product of this many rows."""
     return "one" if rows == 1 else "few" if rows < 16 else "many"
+
+
+# The rows a graph whose row count is dynamic is traced and compiled for (compiled.py sets it around a
+# compile): what its int8 layers' routes and its matrix products' kernels are chosen for, the same in
+# every process whatever batch happens to compile it. None: none (a dynamic count is many rows).
+_TRACED_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("traced_rows", default=None)
+
+
+@contextlib.contextmanager
+def traced_rows(rows: int | None) -> Iterator[None]:
+    """Trace and compile, where the rows are dynamic, as for this many rows."""
+    token = _TRACED_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _TRACED_ROWS.reset(token)
+
+
+def rows_traced() -> int | None:
+    """The rows traced_rows() set, or None."""
+    return _TRACED_ROWS.get()
 
 
 def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:

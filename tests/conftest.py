@@ -43,11 +43,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_store(tmp_path_factory) -> Iterator[Path]:
-    """The test run's own store of compiled graphs (AIAYN_COMPILE_STORE, which subprocesses inherit), empty:
-    no test reads or writes the user's ~/.cache/aiayn/compiled, and a command given neither --compile nor
-    --no-compile finds none of its model's graphs there, so it decodes eagerly."""
+    """The test run's own store of compiled graphs (AIAYN_COMPILE_STORE, which subprocesses inherit), empty
+    at the start and shared by the run's workers (`make test`'s -n): no test reads or writes the user's
+    ~/.cache/aiayn/compiled, a graph one test compiled another loads, and a command given neither
+    --compile nor --no-compile finds none of its model's graphs there unless a test compiled them."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's directory is in the run's
+        root = root.parent
+    store = root / "compile-store"
+    store.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
-        store = tmp_path_factory.mktemp("compile-store")
         patch.setenv("AIAYN_COMPILE_STORE", str(store))
         yield store
 

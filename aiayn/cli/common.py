@@ -28,9 +28,10 @@ def config_flags(
         if names is not None and f.name not in names:
             continue
         shown = default or f"default {f.default}"
-        p.add_argument(
-            "--" + f.name.replace("_", "-"), type=hints[f.name], help=f"{f.metadata['help']} ({shown})"
+        kind = (
+            {"action": argparse.BooleanOptionalAction} if hints[f.name] is bool else {"type": hints[f.name]}
         )
+        p.add_argument("--" + f.name.replace("_", "-"), **kind, help=f"{f.metadata['help']} ({shown})")
 
 
 def dtype_flag(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,11 @@ def add_serve(sub: Any) -> None:
     device_flag(p)
     dtype_flag(p)
     p.add_argument("--threads", type=int, help="PyTorch (or CTranslate2) threads of the model worker")
-    compile_flag(p, None, "with --engine torch, compiled (or loaded from the store) before /health says ok")
+    compile_flag(
+        p,
+        None,
+        "with --engine torch, compiled (or loaded from the store) in the background, eagerly until then",
+    )
     p.add_argument(
         "--engine",
         choices=["torch", "ctranslate2"],
@@ -47,7 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     limits = {f.name: getattr(args, f.name) for f in fields(ServeConfig) if getattr(args, f.name) is not None}
     config = from_dict(ServeConfig, limits, where="serve options")
-    if args.compile is None:  # a server compiles once, before its first request; CTranslate2 has no graphs
+    if args.compile is None:  # a server compiles in the background from its start; CTranslate2 has no graphs
         args.compile = args.engine == "torch"
     options = inference_options(args)
     serve(args.model, config, options, host=args.host, port=args.port, api_key=args.api_key,

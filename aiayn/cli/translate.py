@@ -47,6 +47,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
     translator = load_translator(args, search_config)
     hint_compile(args, translator)
     lines = read_lines(source, args.encoding_errors)
+    compile_ahead(args, translator, lines, args.n_best)
     start = time.perf_counter()
     if args.n_best > 1:
         n_best = translator.translate_n_best(lines, args.n_best)
@@ -59,6 +60,18 @@ def cmd_translate(args: argparse.Namespace) -> None:
     else:
         sys.stdout.write(as_lines(output))
     say(f"translated {len(lines)} lines in {seconds:.1f} s ({len(lines) / max(seconds, 1e-9):.1f} lines/s)")
+
+
+def compile_ahead(args: argparse.Namespace, translator: Translator, lines: list[str], n_best: int) -> None:
+    """--compile: the graphs these lines' batches decode with, compiled first by two worker processes
+    sharing the cores (Translator.compile_ahead), each graph's line on stderr unless --quiet."""
+    if args.compile is not True or translator.compiled is None:
+        return
+    config = translator.search_config.with_n_best(getattr(args, "n_best", 1))
+    quiet = getattr(args, "quiet", False)
+    translator.compile_ahead(
+        translator.tokenizer.encode_src(lines), config, (lambda line: None) if quiet else say
+    )
 
 
 COMPILE_HINTED = "compile-hint.txt"  # in the store: the model directories told of --compile, a line each
@@ -127,6 +140,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         raise ValueError(f"{src} has {len(sources)} lines but {ref} has {len(references)}")
     translator = load_translator(args, search_config)
     hint_compile(args, translator)
+    compile_ahead(args, translator, sources, 1)
     result = evaluate(translator, sources, references, not args.quiet, args.lowercase, args.tokenize)
     hypotheses = result.pop("hypotheses")
     print_scores(result)

@@ -1,11 +1,11 @@
-"""A decoding step of fixed shapes, compiled with torch.compile: a static key/value cache, the position
-as a tensor, the batch padded to a fixed number of rows. Eager decoding (model.py) is the reference.
+"""A decoding step compiled with torch.compile: a static key/value cache, the position as a tensor, a
+graph per class of batches (one sentence, a few, many). Eager decoding (model.py) is the reference.
 
-Shapes: as model.py. R rows of the cache (B sentences x N hypotheses), B_max sentences it was made for,
-T_max target positions, S source positions, V vocabulary.
+Shapes: as model.py. R rows of the cache (B sentences x N hypotheses), T_max target positions, S source
+positions, V vocabulary.
 
 Why: at one sentence a decoding step of a small model is about 140 PyTorch operator calls, each with a
-fixed cost whatever its size; one compiled graph per row count runs the step as a few fused kernels
+fixed cost whatever its size; one compiled graph runs the step as a few fused kernels
 (benchmarks/bench_translate.py measures both).
 Nothing in a step may change a shape or a Python value the graph depends on, or torch.compile traces
 it again (a recompilation), so:
@@ -13,9 +13,10 @@ it again (a recompilation), so:
   in a (1,) tensor; attention reads all T_max positions through a mask (positions <= the current one);
   a beam's hypotheses read theirs through a table of where each was written (StaticCache), so following
   their parents moves no keys or values;
-- a batch is padded to R rows; when sentences finish, search drops them and the rows left over
+- a batch keeps its R rows to the end; when sentences finish, search drops them and the rows left over
   repeat the last live one (computed, never read);
-- the source length S and T_max are marked dynamic: one graph serves every batch of the same rows;
+- the source length S and T_max are marked dynamic, and in the graphs of a few or many sentences B and R
+  too (row_class): one graph serves every batch of its class;
 - once a graph exists it runs without dynamo's checks on the way in (CompiledDecoder._call).
 
 Compiling costs a process tens of seconds per graph, and torch.compile's own caches still trace every
@@ -34,9 +35,10 @@ import sys
 import time
 import zipfile
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -46,9 +48,10 @@ from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn.files import atomic_write
+from aiayn.inference import compiler
 from aiayn.inference.search import BeamLive, BeamStep, Decoder, GreedyStep, beam_candidates, greedy_candidates
 from aiayn.model import DecoderCache, Memory, Transformer
-from aiayn.precision import Int8Linear, cpu_flags, cpu_info
+from aiayn.precision import Int8Linear, cpu_flags, cpu_info, traced_rows
 from aiayn.tokenizer import PAD_ID
 
 
@@ -100,6 +103,7 @@ class StaticCache:
     layers: list[StaticLayerCache]
     src_mask: Tensor  # (B, 1, 1, S), never None: a graph for "no padding" would be a second graph
     rows: int  # R: the rows every step computes; search uses the first ones, the others repeat the last
+    row_class: str  # of its batch (row_class): B and R are dynamic sizes in the few and many classes
     source: Tensor | None = None  # (T_max, R) int64 after `expand`: row r's position t is at source[t, r]
     vocabulary: Tensor | None = None  # (V',) a shortlist, as model.DecoderCache
     output: Tensor | None = None  # (V', D)
@@ -133,10 +137,11 @@ class StaticCache:
         T = self.layers[0].self_k.size(1)
         self.rows *= n
         own = torch.arange(self.rows, device=self.length.device)[None] * T  # (1, R) buffer row r, position 0
-        self.source = _dynamic(own + torch.arange(T, device=self.length.device)[:, None], 0)  # (T_max, R)
-        for layer in self.layers:
+        self.source = self._rows(_dynamic(own + torch.arange(T, device=self.length.device)[:, None], 0), 1)
+        for layer in self.layers:  # (T_max, R) above
             layer.self_k, layer.self_v = (
-                _dynamic(layer.self_k.new_zeros(self.rows, *layer.self_k.shape[1:]), 1) for _ in range(2)
+                self._rows(_dynamic(layer.self_k.new_zeros(self.rows, *layer.self_k.shape[1:]), 1), 0)
+                for _ in range(2)
             )  # 2 x (R * n, T_max, D)
             layer.source = self.source
 
@@ -144,18 +149,32 @@ class StaticCache:
         """index (R',), R' <= R: the rows that make the new ones; sentences (B',): those that stay."""
         index = _pad(index, self.rows)  # (R,)
         if self.source is not None:  # only the table moves: (T_max, R) indices
-            self.source = _dynamic(self.source.index_select(1, index), 0)
+            self.source = self._rows(_dynamic(self.source.index_select(1, index), 0), 1)
         for layer in self.layers:
             if self.source is None:  # greedy: finished sentences leave, once each per batch
-                layer.self_k = _dynamic(layer.self_k.index_select(0, index), 1)  # (R, T_max, D)
-                layer.self_v = _dynamic(layer.self_v.index_select(0, index), 1)
+                layer.self_k = self._rows(
+                    _dynamic(layer.self_k.index_select(0, index), 1), 0
+                )  # (R, T_max, D)
+                layer.self_v = self._rows(_dynamic(layer.self_v.index_select(0, index), 1), 0)
             layer.source = self.source
             if sentences is not None:
                 keep = _pad(sentences, layer.cross_k.size(0))  # (B,)
-                layer.cross_k = _dynamic(layer.cross_k.index_select(0, keep), 1)
-                layer.cross_v = _dynamic(layer.cross_v.index_select(0, keep), 1)
+                layer.cross_k = _batch(_dynamic(layer.cross_k.index_select(0, keep), 1), 0, self.row_class)
+                layer.cross_v = _batch(_dynamic(layer.cross_v.index_select(0, keep), 1), 0, self.row_class)
         if sentences is not None:
-            self.src_mask = _dynamic(self.src_mask.index_select(0, _pad(sentences, self.src_mask.size(0))), 3)
+            mask = self.src_mask.index_select(0, _pad(sentences, self.src_mask.size(0)))  # (B, 1, 1, S)
+            self.src_mask = _batch(_dynamic(mask, 3), 0, self.row_class)
+
+    def _rows(self, t: Tensor, dim: int) -> Tensor:
+        """t with its size along dim, R, marked as the cache's rows (_batch)."""
+        return _batch(t, dim, self.row_class, "rows")
+
+
+@dataclass
+class CompiledMemory(Memory):
+    """A batch's memory as the compiled graph gives it: with each decoder layer's cross keys and values."""
+
+    cross: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # 2 x (B, S, D) per layer
 
 
 def _dynamic(t: Tensor, dim: int) -> Tensor:
@@ -163,6 +182,45 @@ def _dynamic(t: Tensor, dim: int) -> Tensor:
     a graph compiled with it takes any size there. Every buffer a step reads is marked where it is made."""
     torch._dynamo.maybe_mark_dynamic(t, dim)
     return t
+
+
+def _batch(t: Tensor, dim: int, row_class: str, size: str = "sentences") -> Tensor:
+    """t with its size along dim, the batch's sentences B (or the rows R of a cache: size "rows"), dynamic
+    where its graph serves a class of several numbers of sentences, fixed for one sentence. B is bounded
+    to its class (SENTENCES), so that torch.compile makes a graph per class as export does. The size is
+    named on the tensor: an exported graph is told that R is N times B (_shapes), which attention over each
+    sentence's rows relies on, rather than left to find that R happens to divide by B."""
+    if row_class == "one":
+        return t
+    _dynamic(t, dim)
+    if size == "sentences":
+        least, most = SENTENCES[row_class]
+        torch._dynamo.mark_dynamic(t, dim, min=least, max=most)
+    t._aiayn_sizes = {**getattr(t, "_aiayn_sizes", {}), dim: size}  # type: ignore[attr-defined]
+    return t
+
+
+# --- Row classes: which batches one graph serves ------------------------------------------------------
+
+# A graph serves one class of batches: one sentence (every size fixed: 1 row, or a beam's N), a few or many
+# sentences (their number B a dynamic size, at least 2: 0 and 1 would be graphs of their own). A graph
+# per class rather than per number of sentences: each graph costs a compile. Two batched classes, because
+# a matrix product's kernel is chosen for the rows of the batch the graph is compiled with (compiler.py:
+# inductor's own kernel at a few rows, oneDNN's at many), and each class's batches are on one side of
+# where the faster kernel changes.
+MANY = 8  # the fewest sentences of the many class; the few class is 2 to MANY - 1
+SENTENCES = MappingProxyType(
+    {"few": (2, MANY - 1), "many": (MANY, None)}
+)  # the least and most sentences (None: any)
+# What a graph's kernels and int8 routes are chosen for where its rows are dynamic (compiling): the
+# sentences of a batch of its class, and for the memory, tokens a sentence (about a Multi30k sentence's).
+TRACED_SENTENCES = MappingProxyType({"one": 1, "few": 4, "many": 32})
+TRACED_TOKENS = 16
+
+
+def row_class(sentences: int) -> str:
+    """The class of graphs a batch of this many sentences decodes with: "one", "few" or "many"."""
+    return "one" if sentences == 1 else "few" if sentences < MANY else "many"
 
 
 def _pad(index: Tensor, n: int) -> Tensor:
@@ -173,17 +231,17 @@ def _pad(index: Tensor, n: int) -> Tensor:
 
 
 def dynamo_limits() -> contextlib.AbstractContextManager:
-    """What dynamo allows while a graph is traced: each row count is a graph of its own (greedy 1, 2, 4, ...
-    64 sentences; beams times that), more than its default of 8 a function, after which it would run
-    eager; and never a silent fall back to eager. Around tracing only, not for the process."""
+    """What dynamo allows while a graph is traced: each row class and search is a graph of its own (three
+    classes, times greedy and each beam size), more than its default of 8 a function, after which it would
+    run eager; and never a silent fall back to eager. Around tracing only, not for the process."""
     return torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
 
 
 class CompiledDecoder(Decoder):
     """The narrow model interface of search.py (encode, new_cache, decode) over a compiled step.
 
-    A batch of up to max_sentences sentences is padded up to a power of two (1, 2, 4, ... sentences), so
-    that a file's last, shorter batch reuses a graph instead of compiling another. Larger batches decode
+    A batch of up to max_sentences sentences decodes with the graphs of its row class (one sentence, a
+    few, many: row_class), which take any number of sentences in the class. Larger batches decode
     eagerly: there the matrix products are big enough for the BLAS, and eager search drops finished
     sentences while a fixed-shape step keeps computing their rows (on Multi30k's validation file in
     4,096-token batches, compiled greedy was slower than eager).
@@ -215,22 +273,22 @@ class CompiledDecoder(Decoder):
                 StaticLayerCache(*kv, length, positions, source)
                 for kv in zip(self_k, self_v, cross_k, cross_v)
             ]
-            static = StaticCache(layers, src_mask, tokens.size(0), source, vocabulary, output)
+            # (the row class only says which sizes to mark dynamic, outside the graph)
+            static = StaticCache(layers, src_mask, tokens.size(0), "one", source, vocabulary, output)
             static.claim()
             logits = model.decode(tokens, None, static)  # type: ignore[arg-type]
             static.advance()
             return logits
 
-        # the step, and once per batch the encoder and the cross-attention keys/values (S is dynamic, rows
-        # are not), and a search's own tensor work after each step (beam or greedy); each compiled by
-        # torch.compile on its first call, or exported to the store
-        self.graphs = {
-            "step": step,
-            "encoder": model.encoder_states,
-            "cross": model.cross_keys_values,
-            "beam": _beam_work,
-            "greedy": _greedy_work,
-        }
+        def memory(src: Tensor, mask: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+            """src (B, S) and its mask -> the encoder's states (B, S, D) and each decoder layer's cross
+            keys and values of them: what a batch computes once, one graph rather than two to compile."""
+            states = model.encoder_states(src, mask)
+            return states, model.cross_keys_values(states)
+
+        # the step, once per batch the memory (S is dynamic), and a search's own tensor work after each
+        # step (beam or greedy); each compiled by torch.compile on its first call, or exported to the store
+        self.graphs = {"step": step, "memory": memory, "beam": _beam_work, "greedy": _greedy_work}
         self.compiled = {
             name: torch.compile(fn, fullgraph=True, options=self.options) for name, fn in self.graphs.items()
         }
@@ -239,52 +297,66 @@ class CompiledDecoder(Decoder):
         self._seen: set[tuple] = set()  # the keys of the graphs compiled in memory
         self._packages: dict[tuple, _Package] = {}  # the keys of the graphs from the store
         self._fingerprint: str | None = None
+        self._search_fingerprint: str | None = None
+        # the graphs this decoder compiles, by the order they are first met in (0, 1, ...): all of them,
+        # or those a worker of warmup.py was given (it runs the others eagerly, only to go on)
+        self.compiles: Callable[[int], bool] = lambda index: True
+        self.met: dict[tuple, None] = {}  # the keys of the graphs called so far, in the order met
+        self.calls: list[tuple] | None = None  # a list: every graph call's key is added to it
+        self.on_compiled: Callable[[tuple, Path | None, float], None] | None = None  # (key, package, s)
+        # the row classes it decodes at all (None: every one); a batch of another raises NotStored, and
+        # Translator decodes it eagerly
+        self.classes: set[str] | None = None
+        self.builds_at_once = True  # a package's two C++ builds at once (compiler.py): the cores are ours
 
     def encode(self, src: Tensor) -> Memory:
-        """src (B, S) -> memory of B_max = 2^k >= B sentences; the rows past B are copies of row 0."""
+        """src (B, S) -> memory, with each decoder layer's cross keys and values (CompiledMemory)."""
         B = src.size(0)
         if B > self.max_sentences:
             return self.model.encode(src)
-        rows = 1 << (B - 1).bit_length()
+        cls = row_class(B)
+        if self.classes is not None and cls not in self.classes:
+            raise NotStored(("memory", cls))
         # a new tensor either way: a caller's tensor made outside inference mode has other dispatch keys,
         # which the graph is guarded on
-        src = torch.cat([src, src[:1].expand(rows - B, -1)])  # (B_max, S)
+        src = src.clone()  # (B, S)
         if src.size(1) < 2:  # a size of 1 would be a graph of its own: pad it (masked, so nothing changes)
-            src = torch.cat([src, src.new_full((rows, 1), PAD_ID)], dim=1)  # (B_max, 2)
+            src = torch.cat([src, src.new_full((B, 1), PAD_ID)], dim=1)  # (B, 2)
         mask = self.model.src_mask(src)
         if mask is None:
-            mask = torch.ones(
-                rows, 1, 1, src.size(1), dtype=torch.bool, device=src.device
-            )  # (B_max, 1, 1, S)
-        src, mask = _dynamic(src, 1), _dynamic(mask, 3)
-        return Memory(_dynamic(self._call(("encoder", rows), src, mask), 1), mask)
+            mask = torch.ones(B, 1, 1, src.size(1), dtype=torch.bool, device=src.device)  # (B, 1, 1, S)
+        src, mask = _batch(_dynamic(src, 1), 0, cls), _batch(_dynamic(mask, 3), 0, cls)
+        states, cross = self._call(("memory", cls), src, mask)  # (B, S, D), 2 x (B, S, D) a layer
+        return CompiledMemory(_batch(_dynamic(states, 1), 0, cls), mask, cross=cross)
 
     def new_cache(self, memory: Memory, max_len: int) -> StaticCache | DecoderCache:
         B, S, D = memory.states.shape
         if B > self.max_sentences:
             return self.model.new_cache(memory, max_len)
+        assert isinstance(memory, CompiledMemory), "a batch of the graphs' size is encoded by them"
+        cls = row_class(B)
         max_len = max(max_len, 2)  # T_max: a size of 1 would be a graph of its own
         self.model.tgt_embed.position_table(max_len)  # long enough for every position the graph reads
         device = memory.states.device
         length = torch.zeros(1, dtype=torch.long, device=device)
         positions = _dynamic(torch.arange(max_len, device=device), 0)
         layers = []
-        cross = self._call(("cross", B), memory.states)  # 2 x (B, S, D) per layer
-        for k, v in cross:
+        for k, v in memory.cross:
             # contiguous, as a `reorder` leaves them: slices of one projection have other strides, which
             # the graph is guarded on
-            k, v = k.contiguous(), v.contiguous()
+            k, v = (_batch(_dynamic(x.contiguous(), 1), 0, cls) for x in (k, v))  # 2 x (B, S, D)
             # each buffer a storage of its own, as after a `reorder`: views of one storage would be guarded
             # on not overlapping, and the first reorder would trace the step again
-            self_k, self_v = (_dynamic(k.new_zeros(B, max_len, D), 1) for _ in range(2))  # 2 x (B, T_max, D)
-            layers.append(
-                StaticLayerCache(self_k, self_v, _dynamic(k, 1), _dynamic(v, 1), length, positions, None)
-            )
+            self_k, self_v = (
+                _batch(_dynamic(k.new_zeros(B, max_len, D), 1), 0, cls, "rows") for _ in range(2)
+            )  # 2 x (B, T_max, D): a row a sentence until a beam expands them
+            layers.append(StaticLayerCache(self_k, self_v, k, v, length, positions, None))
         vocabulary = output = None
         if memory.vocabulary is not None:  # a shortlist's size changes from batch to batch too
             vocabulary = _dynamic(memory.vocabulary, 0)
             output = _dynamic(self.model.output_rows(vocabulary), 0)
-        return StaticCache(layers, _dynamic(memory.src_mask, 3), B, None, vocabulary, output)
+        mask = _batch(_dynamic(memory.src_mask, 3), 0, cls)
+        return StaticCache(layers, mask, B, cls, None, vocabulary, output)
 
     def decode(
         self, tgt_in: Tensor, memory: Memory | None, cache: StaticCache | DecoderCache | None = None
@@ -296,16 +368,12 @@ class CompiledDecoder(Decoder):
         live = tgt_in.size(0)
         if live < cache.rows:
             tgt_in = torch.cat([tgt_in, tgt_in.new_full((cache.rows - live, 1), PAD_ID)])  # (R, 1)
-        tgt_in = tgt_in.contiguous()  # beam search passes a column of its tokens: strides are guarded too
-        # rows R and sentences B: 32 rows are 32 sentences (greedy) or 8 sentences of 4 hypotheses (beam
-        # 4), two graphs (the cross-attention keys/values have B rows); with a beam's table or without
-        key = (
-            "step",
-            cache.rows,
-            cache.layers[0].cross_k.size(0),
-            cache.source is not None,
-            cache.output is not None,
-        )
+        # beam search passes a column of its tokens: strides are guarded too
+        tgt_in = _batch(tgt_in.contiguous(), 0, cache.row_class, "rows")
+        # the class of the batch's sentences B, and N = R / B rows a sentence (hypotheses: the cross
+        # keys/values have B rows); with a beam's table or without, with a shortlist or without
+        B = cache.layers[0].cross_k.size(0)
+        key = ("step", cache.row_class, cache.rows // B, cache.source is not None, cache.output is not None)
         return self._call(key, tgt_in, *cache.arguments())[:live]
 
     def beam_candidates(
@@ -352,7 +420,12 @@ class CompiledDecoder(Decoder):
         decode call of `small`), of which only those that have told two graphs apart before are evaluated
         (skip_guard_eval_unsafe), and setting the option. That is safe here because a key's inputs differ only in the sizes
         marked dynamic, each at least 2 (0 and 1 would be graphs of their own), and a decoder's model does
-        not change. A package has no guards at all: it checks only its inputs' shapes."""
+        not change. A package has no guards at all: it checks only its inputs' shapes.
+
+        A graph this decoder does not compile (`compiles` says which) runs eagerly: a worker of warmup.py
+        goes on to the graphs it does compile."""
+        if self.calls is not None:
+            self.calls.append(key)
         package = self._packages.get(key)
         if package is not None:
             return package(*args)
@@ -364,15 +437,38 @@ class CompiledDecoder(Decoder):
             except RuntimeError as error:  # inputs no graph of fn was traced for: trace them (dynamo
                 if "skip_guard_eval_unsafe" not in str(error):  # raises before running anything)
                     raise
+        self.met.setdefault(key)
+        if not self.compiles(list(self.met).index(key)):
+            return self.graphs[key[0]](*args)
+        start = time.perf_counter()
         if self.store is not None:
             self._packages[key] = package = self._package(key, args)
-            return package(*args)
-        start = time.perf_counter()
-        with torch._inductor.config.patch(freezing=True), dynamo_limits(), self._tracing():
-            out = fn(*args)
-        self.compile_seconds += time.perf_counter() - start
-        self._seen.add(key)
+            out = package(*args)
+        else:
+            with (
+                torch._inductor.config.patch(freezing=True),
+                dynamo_limits(),
+                self._tracing(),
+                compiling(key, self.builds_at_once),
+            ):
+                out = fn(*args)
+            self.compile_seconds += time.perf_counter() - start
+            self._seen.add(key)
+        if self.on_compiled is not None:
+            self.on_compiled(
+                key, self._path(key) if self.store is not None else None, time.perf_counter() - start
+            )
         return out
+
+    def adopt(self, key: tuple, path: Path) -> None:
+        """Run graph key from now on with the package at path: one another process compiled (warmup.py).
+        A graph this decoder has already is kept."""
+        if key in self._packages:
+            return
+        start = time.perf_counter()
+        package = _load_stored(path)
+        self.load_seconds += time.perf_counter() - start
+        self._packages[key] = package
 
     def _tracing(self) -> contextlib.AbstractContextManager:
         """What every graph is traced and compiled under. On a CPU: F.scaled_dot_product_attention written
@@ -388,11 +484,14 @@ class CompiledDecoder(Decoder):
         return sdpa_kernel(SDPBackend.MATH)
 
     def _path(self, key: tuple) -> Path:
-        """Where the store keeps graph key's package: its name holds the key and the fingerprint."""
+        """Where the store keeps graph key's package: its name holds the key and the fingerprint. A search's
+        own work reads no weights: its packages serve every model (the fingerprint without the model's)."""
         assert self.store is not None
         if self._fingerprint is None:
             self._fingerprint = fingerprint(self.model, self.options)
-        return self.store / f"{'-'.join(map(str, key))}-{self._fingerprint}.pt2"
+            self._search_fingerprint = fingerprint(self.model, self.options, weights=False)
+        name = self._search_fingerprint if key[0] in SEARCH_WORK else self._fingerprint
+        return self.store / f"{'-'.join(map(str, key))}-{name}.pt2"
 
     def _package(self, key: tuple, args: tuple) -> _Package:
         """The AOTInductor package of graph key from the store, exported and compiled into it first if it
@@ -419,19 +518,16 @@ class CompiledDecoder(Decoder):
                 f"{self.store}: cannot keep compiled graphs there ({error.strerror}); set "
                 "AIAYN_COMPILE_STORE to a writable directory, or to none to compile in memory"
             ) from error
-        # the sizes marked dynamic where the buffers were made (_dynamic) are export's dynamic ones
-        shapes = pytree.tree_map(  # (the options that are not tensors are constants of the graph)
-            lambda t: (
-                {d: Dim.DYNAMIC for d in getattr(t, "_dynamo_weak_dynamic_indices", ())}
-                if isinstance(t, Tensor)
-                else None
-            ),
-            args,
-        )
+        shapes = _shapes(key, args)
         # (inference tensors cannot be traced in place)
-        with torch.inference_mode(False), torch.no_grad(), self._tracing():
+        with (
+            torch.inference_mode(False),
+            torch.no_grad(),
+            self._tracing(),
+            compiling(key, self.builds_at_once),
+        ):
             example = pytree.tree_map_only(Tensor, torch.clone, args)
-            module = _Graph(self.graphs[key[0]], None if key[0] in ("beam", "greedy") else self.model)
+            module = _Graph(self.graphs[key[0]], None if key[0] in SEARCH_WORK else self.model)
             program = torch.export.export(module, example, dynamic_shapes={"args": shapes}, strict=False)
             # Packaged in memory, then written atomically by us: PyTorch's own package writer, out of
             # space, leaves its zip unfinished and aborts the process when it is collected.
@@ -440,6 +536,11 @@ class CompiledDecoder(Decoder):
             # checks: a whole package of another graph under this name would run on inputs it was not
             # compiled for
             configs = {"freezing": True, "aot_inductor.metadata": {GRAPH: path.stem}, **self.options}
+            # max_autotune makes inductor's own kernel of every product a candidate, which costs seconds of
+            # rendering its template; where the rule would choose the library's for all of them, none is made
+            configs["max_autotune"] = configs.get("max_autotune") and compiler.may_choose_template(
+                _traced(key)
+            )
             torch._inductor.aoti_compile_and_package(program, package_path=archive, inductor_configs=configs)
             atomic_write(path, lambda tmp: tmp.write_bytes(archive.getbuffer()))
         self.compile_seconds += time.perf_counter() - start
@@ -450,6 +551,50 @@ class CompiledDecoder(Decoder):
         return package
 
 
+@contextlib.contextmanager
+def compiling(key: tuple, builds_at_once: bool) -> Iterator[None]:
+    """Around the compile of graph key (compiler.compiling): where its rows are dynamic, it is traced for
+    those of a batch of its class, TRACED_SENTENCES, so that its matrix products' kernels and int8 routes
+    are the same whatever batch compiles it: a step's rows, N a sentence; a memory's, B x S, TRACED_TOKENS
+    a sentence (its int8 layers, whose route reads the dynamic S, take the many-rows route)."""
+    with traced_rows(_traced(key)), compiler.compiling(builds_at_once):
+        yield
+
+
+def _traced(key: tuple) -> int | None:
+    """The rows graph key's matrix products are compiled for (compiling), None for a graph without any."""
+    if key[0] == "step":
+        return key[2] * TRACED_SENTENCES[key[1]]
+    if key[0] == "memory":
+        return TRACED_SENTENCES[key[1]] * TRACED_TOKENS
+    return None
+
+
+def _shapes(key: tuple, args: tuple) -> Any:
+    """What torch.export is told of graph key's arguments: the sizes marked dynamic where the buffers
+    were made (_dynamic) are dynamic; a batch's sentences B are one size, bounded to the key's row class,
+    and its rows R are N times that, N = R / B the rows a sentence (_batch). (The arguments that are not
+    tensors are constants of the graph.)"""
+    named: dict[str, Any] = {}
+    if key[1] in SENTENCES:  # the memory and step graphs of a few or many sentences
+        least, most = SENTENCES[key[1]]
+        named["sentences"] = sentences = Dim(
+            "sentences", min=least, max=most or torch.iinfo(torch.int64).max - 1
+        )
+        named["rows"] = key[2] * sentences if key[0] == "step" and key[2] > 1 else sentences
+
+    def shape(t: Any) -> dict[int, Any] | None:
+        if not isinstance(t, Tensor):
+            return None
+        sizes = getattr(t, "_aiayn_sizes", {})
+        return {
+            d: named.get(sizes.get(d), Dim.DYNAMIC) for d in getattr(t, "_dynamo_weak_dynamic_indices", ())
+        }
+
+    return pytree.tree_map(shape, args)
+
+
+SEARCH_WORK = ("beam", "greedy")  # the graphs of a search's own work, which read no weights
 GRAPH = "aiayn.graph"  # a package's metadata: the name of the store file it was compiled for, without .pt2
 
 
@@ -562,29 +707,39 @@ def default_store() -> Path | None:
 
 # The source files the graphs are traced from: a package compiled from other code (an older aiayn, or
 # one edited in place) must never be loaded, whatever the weights.
-TRACED_CODE = ("model.py", "precision.py", "inference/search.py", "inference/compiled.py")  # under aiayn/
+TRACED_CODE = (
+    "model.py",
+    "precision.py",
+    "inference/search.py",
+    "inference/compiled.py",
+    "inference/compiler.py",
+)
 
 
-def fingerprint(model: Transformer, options: dict) -> str:
+def fingerprint(model: Transformer, options: dict, weights: bool = True) -> str:
     """A hash of what a compiled package depends on: the weights, the modules that use them and the
     model's configuration (the number of heads, say, which no weight shows), the code traced, the compile
-    options, PyTorch's version and the processor (kernels are compiled for its instructions)."""
+    options, PyTorch's version and the processor (kernels are compiled for its instructions). weights=False:
+    all but the model's own (its device aside), for a graph that reads none (a search's own work)."""
     digest = hashlib.blake2b(digest_size=12)
     for name in TRACED_CODE:
         digest.update((Path(__file__).parents[1] / name).read_bytes())
-    digest.update(repr(model.config).encode())
-    modules = [
-        (name, type(m).__name__, sorted(m.routes.items()) if isinstance(m, Int8Linear) else None)
-        for name, m in model.named_modules()
-    ]
+    modules = []
+    if weights:
+        digest.update(repr(model.config).encode())
+        modules = [
+            (name, type(m).__name__, sorted(m.routes.items()) if isinstance(m, Int8Linear) else None)
+            for name, m in model.named_modules()
+        ]
     cpu = cpu_info()
     device = next(model.parameters()).device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     # (the vector instructions PyTorch and inductor use, which ATEN_CPU_CAPABILITY may cap below the CPU's)
     isa = torch.backends.cpu.get_cpu_capability()
     digest.update(repr((modules, sorted(options.items()), torch.__version__, cpu.get("model name"),
-                        cpu.get("cpu family"), cpu.get("model"), sorted(cpu_flags()), isa, str(device), gpu)).encode())  # fmt: skip
-    for name, tensor in model.state_dict().items():
+                        cpu.get("cpu family"), cpu.get("model"), sorted(cpu_flags()), isa, str(device), gpu,
+                        sorted(compiler.template_rows().items()), sorted(TRACED_SENTENCES.items()), TRACED_TOKENS)).encode())  # fmt: skip
+    for name, tensor in model.state_dict().items() if weights else ():
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
@@ -623,10 +778,14 @@ class StoredDecoder(CompiledDecoder):
     store lacks (another number of sentences, another search) raises NotStored at that graph's first call,
     and Translator decodes the batch again eagerly (the same tokens). What `aiayn translate` decodes with
     unless told: compiling costs minutes on a small CPU, more than most runs decode, so only a run given
-    `--compile` pays it, and every later run has the graphs it left."""
+    `--compile` pays it, and every later run has the graphs it left.
 
-    def __init__(self, model: Transformer, store: str | Path, **options: Any):
-        super().__init__(model, store=store, **options)
+    A server compiling in the background (warmup.py) sets `classes` and adds each class once all its
+    graphs are in: until then its batches decode eagerly from the start, rather than meeting a missing
+    graph half way."""
+
+    def __init__(self, model: Transformer, store: str | Path, max_sentences: int = 32, **options: Any):
+        super().__init__(model, max_sentences, store, **options)
 
     def _call(self, key: tuple, *args: Any) -> Any:
         if key not in self._packages and not self._path(key).is_file():

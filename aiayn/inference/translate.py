@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -13,9 +13,17 @@ from tqdm import tqdm
 
 from aiayn.checkpoint import load_model, load_search
 from aiayn.config import Compile, InferenceOptions, SearchConfig
-from aiayn.inference.compiled import CompiledDecoder, NotStored, StoredDecoder, default_store, stored
+from aiayn.inference.compiled import (
+    CompiledDecoder,
+    NotStored,
+    StoredDecoder,
+    default_store,
+    row_class,
+    stored,
+)
 from aiayn.inference.search import Decoder, EagerDecoder, Hypothesis, max_lengths, search
 from aiayn.inference.shortlist import Shortlist, Shortlisted, load_shortlist
+from aiayn.inference.warmup import SENTENCES, Warmup, classes_up_to, plan
 from aiayn.model import Transformer, attention_maps
 from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, for_inference, resolve_device
 from aiayn.tokenizer import BOS_ID, PAD_ID, Tokenizer
@@ -63,9 +71,12 @@ class Translator:
             self.decoder = StoredDecoder(self.model, store)
         elif compile is True:
             self.decoder = CompiledDecoder(self.model, store=store)
+        self.shortlist = shortlist
         if shortlist is not None:
             self.decoder = Shortlisted(self.decoder, shortlist)
             self.eager = Shortlisted(self.eager, shortlist)
+        # where Translator.load read the model from, and how: what compile_in_background's workers load
+        self.source: tuple[Path, InferenceOptions] | None = None
 
     @classmethod
     def load(
@@ -93,9 +104,11 @@ class Translator:
         tokenizer = Tokenizer.load(directory)
         candidates = load_shortlist(directory, tokenizer) if options.shortlist else None
         model = for_inference(model, options.dtype)
-        return cls(
+        translator = cls(
             model, tokenizer, search_config, options.dtype, compile=options.compile, shortlist=candidates
         )
+        translator.source = (Path(directory).resolve(), options)
+        return translator
 
     def attention(self, ids: list[int]) -> tuple[list[int], dict[str, list[torch.Tensor]]]:
         """The greedy translation of one sentence of source ids (EOS-terminated) and the attention weights
@@ -114,21 +127,56 @@ class Translator:
         decoder = self.decoder.decoder if isinstance(self.decoder, Shortlisted) else self.decoder
         return decoder if isinstance(decoder, CompiledDecoder) else None
 
-    def warm_up(self, search_config: SearchConfig, max_sentences: int, say: Callable[[str], None]) -> None:
-        """Compile, or load from the store, the graphs that batches of up to max_sentences decode with under
-        this search, before a real batch waits for them: one search of each batch size a compiled decoder
-        has graphs of its own for (1, 2, 4, ..., and max_sentences). Nothing to do for an eager decoder."""
-        compiled = self.compiled
-        if compiled is None:
+    def compile_in_background(
+        self, search_config: SearchConfig, max_sentences: int, say: Callable[[str], None], workers: int = 2
+    ) -> Warmup:
+        """Have worker processes compile (or load from the store) the graphs that batches of up to
+        max_sentences decode with under this search, and decode with them as they come: each row class
+        of batches eagerly until all its graphs are in (warmup.py; `aiayn serve`). Returns the Warmup,
+        not yet started. Needs a translator of Translator.load (the workers load the same directory)
+        with compile=True."""
+        compiled = self._compiling()
+        store = compiled.store
+        if store is None:  # AIAYN_COMPILE_STORE=none: a store for this process's life, which the workers fill
+            self._scratch = tempfile.TemporaryDirectory(prefix="aiayn-graphs-")
+            store = Path(self._scratch.name)
+        decoder = StoredDecoder(self.model, store, max_sentences=compiled.max_sentences)
+        decoder.classes = set()
+        self.decoder = decoder if self.shortlist is None else Shortlisted(decoder, self.shortlist)
+        sizes = classes_up_to(min(max_sentences, decoder.max_sentences))
+        return Warmup(self.source, decoder, [search_config], sizes, workers, say)  # type: ignore[arg-type]
+
+    def compile_ahead(
+        self, ids: list[list[int]], search_config: SearchConfig, say: Callable[[str], None], workers: int = 2
+    ) -> None:
+        """Compile the graphs that translating ids with this search will decode with, in worker processes
+        that share the CPU's cores, and return once they are in (`aiayn translate --compile`): the row
+        classes of its batches, found first by decoding each class's warm-up batch eagerly (warmup.plan),
+        so that graphs already in the store start no worker. A graph a worker failed to make is compiled
+        here, when its batch comes."""
+        compiled = self._compiling()
+        if compiled.store is None:  # nowhere to hand graphs over: each compiles here when first needed
             return
-        limit = min(max_sentences, compiled.max_sentences)
-        sizes = sorted({min(1 << k, limit) for k in range(limit.bit_length() + 1)})  # rows are powers of 2
-        line = self.tokenizer.encode_src(["warm up"])[0]
-        start = time.perf_counter()
-        for i, size in enumerate(sizes, start=1):
-            say(f"compiled decoding: the graphs of {size} sentence(s) a batch ({i} of {len(sizes)})")
-            self.translate_ids([line] * size, search_config)
-        say(f"compiled decoding: ready after {time.perf_counter() - start:.0f} s")
+        lengths = [len(x) for x in ids]
+        sentences = {
+            len(b) for b in self.batches(lengths, search_config.beam_size) if len(b) <= compiled.max_sentences
+        }
+        sizes = {cls: n for cls, n in SENTENCES.items() if cls in {row_class(b) for b in sentences}}
+        if not sizes or all(compiled._path(key).is_file() for key in plan(self, [search_config], sizes)):
+            return
+        warmup = Warmup(self.source, compiled, [search_config], sizes, workers, say, here=True)  # type: ignore[arg-type]
+        warmup.start()
+        try:
+            warmup.compile_here(self)
+            warmup.wait()
+        finally:
+            warmup.stop()
+
+    def _compiling(self) -> CompiledDecoder:
+        compiled = self.compiled
+        if compiled is None or self.source is None or type(compiled) is not CompiledDecoder:
+            raise ValueError("compiling ahead needs Translator.load(..., compile=True)")
+        return compiled
 
     @property
     def device(self) -> torch.device:

@@ -29,6 +29,7 @@ import aiayn
 from aiayn.config import SearchConfig, ServeConfig
 from aiayn.inference.search import Hypothesis
 from aiayn.inference.translate import Translator
+from aiayn.inference.warmup import Warmup
 from aiayn.precision import resolve_dtype
 from aiayn.serving.worker import STARTING, STOPPED, ApiError, Call, Line, Metrics, Pending, Worker, log
 from aiayn.tokenizer import BOS_ID
@@ -68,7 +69,15 @@ class Service:
     worker: Worker
     metrics: Metrics
     info: dict[str, Any]
+    warmup: Warmup | None = None  # the compile of the decoding graphs in the background, if there is one
     closing: bool = False
+
+    def ready(self) -> bool:
+        """Whether /health says ok: the worker is taking jobs, and where the server was told to wait for
+        its compiled graphs (ready_when_compiled), they are in."""
+        if self.warmup is not None and self.config.ready_when_compiled:
+            return self.warmup.progress.state in ("done", "failed")
+        return True
 
 
 def create_app(
@@ -80,21 +89,27 @@ def create_app(
     api_key: str | None = None,
     cors_origins: tuple[str, ...] = (),
     engine_name: str = "torch",
+    compile_workers: int = 2,
 ) -> FastAPI:
     """The FastAPI app around a Translator. engine: another translator for /translate (CTranslate2's,
     with the same translate_ids), the Translator itself when None."""
     config = config or ServeConfig()
     metrics = Metrics()
     translate = (engine or translator).translate_ids
-    # --compile: the graphs of the default search, for every batch size the worker makes, are compiled (or
-    # loaded from the store) before /health says ok; a request with another beam compiles its own at first
-    default = replace(translator.search_config, beam_size=config.beam_size)
-    warm_up = None
+    # compiled decoding: the graphs of the default search, for every class of batch the worker makes, are
+    # compiled (or loaded from the store) by worker processes in the background while batches decode
+    # eagerly; each class moves to its graphs when they are in. Another search decodes eagerly, unless an
+    # earlier --compile stored its graphs.
+    warmup = None
     if engine is None and translator.compiled is not None:
-        warm_up = lambda: translator.warm_up(default, config.batch_sentences, log.warning)  # noqa: E731
-    worker = Worker(translate, config, metrics, threads, warm_up)
+        default = replace(translator.search_config, beam_size=config.beam_size)
+        warmup = translator.compile_in_background(
+            default, config.batch_sentences, log.warning, compile_workers
+        )
+    worker = Worker(translate, config, metrics, threads)
     info = describe_service(translator, config, engine_name)
-    service = Service(translator, config, worker, metrics, info)
+    service = Service(translator, config, worker, metrics, info, warmup)
+    metrics.follow(warmup)
     app = FastAPI(title="aiayn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.add_middleware(Edge, metrics=metrics, api_key=api_key)
@@ -164,9 +179,14 @@ def service_of(request: Request) -> Service:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     service = app.state.service
     service.worker.start()
+    if service.warmup is not None:
+        service.warmup.start()
     yield
     service.closing = True  # new requests get 503; those queued are answered
-    await asyncio.get_running_loop().run_in_executor(None, service.worker.stop, service.config.timeout_s)
+    loop = asyncio.get_running_loop()
+    if service.warmup is not None:  # first, and at once: the workers' compiles are of no use now
+        await loop.run_in_executor(None, service.warmup.stop)
+    await loop.run_in_executor(None, service.worker.stop, service.config.timeout_s)
 
 
 async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -230,7 +250,7 @@ async def health(request: Request) -> Response:
     service = service_of(request)
     if not service.worker.alive:
         raise ApiError(503, "unavailable", STOPPED)
-    if not service.worker.ready.is_set():
+    if not service.ready():
         raise ApiError(503, "starting", STARTING, {"Retry-After": "5"})
     if service.closing:
         raise ApiError(503, "shutting_down", "the server is shutting down")
@@ -238,7 +258,10 @@ async def health(request: Request) -> Response:
 
 
 async def info_endpoint(request: Request) -> Response:
-    return JSONResponse(service_of(request).info)
+    service = service_of(request)
+    if service.warmup is None:
+        return JSONResponse(service.info)
+    return JSONResponse({**service.info, "compiled": service.warmup.progress.as_dict()})
 
 
 async def metrics_endpoint(request: Request) -> Response:

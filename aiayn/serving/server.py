@@ -5,6 +5,7 @@ uvicorn on a socket bound before the model loads.
 from __future__ import annotations
 
 import gc
+import os
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -64,20 +65,12 @@ def serve(
                 Path(scratch) / "ct2", search, device=translator.device.type, compute_type=compute[kind],
                 threads=options.threads or 0,
             )  # fmt: skip
-        compiled = translator.compiled
-        if other is None and compiled is not None:  # the worker warms it up: create_app
-            where = (
-                f"loaded from {compiled.store}, or compiled into it the first time (minutes on a small CPU)"
-                if compiled.store
-                else "compiled in memory (minutes on a small CPU, at every start)"
-            )
-            log.warning(
-                "compiled decoding: /health answers 503 until the graphs of each batch size are %s; "
-                "--no-compile serves at once, eagerly", where,
-            )  # fmt: skip
+        # the graphs compile in worker processes (two on a CPU of two cores or more), beside the one that
+        # answers (create_app)
+        workers = max(1, min(2, os.cpu_count() or 1))
         app = create_app(
             translator, config, engine=other, threads=options.threads, api_key=api_key, cors_origins=cors_origins,
-            engine_name=engine,
+            engine_name=engine, compile_workers=workers,
         )  # fmt: skip
         # Everything loaded so far (torch, the model, CTranslate2's converters: a quarter of a million
         # objects) lives as long as the server: out of the cyclic GC's sight, whose full collections over
@@ -92,7 +85,7 @@ def serve(
 
 def check_store(translator: Translator) -> None:
     """A server that will compile its graphs at start needs a store it can write them into: a ValueError
-    now, rather than a worker that stops after the port is open (a read-only home directory, say). A
+    now, rather than workers that fail after the port is open (a read-only home directory, say). A
     store that already holds the model's graphs may be read-only."""
     compiled = translator.compiled
     if compiled is None or compiled.store is None or stored(translator.model, compiled.store):

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from aiayn.config import SearchConfig, ServeConfig
 from aiayn.inference.search import Hypothesis
+from aiayn.inference.warmup import Warmup
 
 log = logging.getLogger("aiayn.serving")
 
@@ -97,7 +98,8 @@ def model_failure(e: Exception, metrics: Metrics) -> ApiError:
 
 STOPPED = "the model worker stopped; see the server's log"
 STARTING = (
-    "the model is compiling its decoding graphs (the server's console shows how far); try again shortly"
+    "the server answers, but waits for its compiled graphs before it says ready (--ready-when-compiled; "
+    "/info says how far they are)"
 )
 
 
@@ -105,11 +107,8 @@ class Worker:
     """The one thread that calls the model: lines batched across requests, and other calls in turn."""
 
     def __init__(self, translate: Callable[[list[list[int]], SearchConfig], list[list[Hypothesis]]],
-                 config: ServeConfig, metrics: Metrics, threads: int | None,
-                 warm_up: Callable[[], None] | None = None):  # fmt: skip
+                 config: ServeConfig, metrics: Metrics, threads: int | None):  # fmt: skip
         self.translate, self.config, self.metrics, self.threads = translate, config, metrics, threads
-        self.warm_up = warm_up  # what runs before the first job: compiling the decoding graphs
-        self.ready = threading.Event()  # set once warm_up is done: /health says ok, jobs are taken
         self.queue: queue.Queue = queue.Queue()
         self.waiting = 0  # lines queued and not yet taken: what the queue limit counts
         self.lock = threading.Lock()
@@ -119,16 +118,12 @@ class Worker:
         self.current: list[Line | Call] = []  # what the worker has in hand
 
     def start(self) -> None:
-        if self.warm_up is None:  # ready at once: no request can find it starting
-            self.ready.set()
         self.thread.start()
 
     def submit(self, jobs: list[Line | Call]) -> None:
         """Queue all of a request's jobs, or none of them (503 when the queue would overflow)."""
         if not self.alive:
             raise ApiError(503, "unavailable", STOPPED)
-        if not self.ready.is_set():
-            raise ApiError(503, "starting", STARTING, {"Retry-After": "5"})
         with self.lock:
             if self.waiting + len(jobs) > self.config.max_queue:
                 self.metrics.failures.labels("overload").inc()
@@ -160,9 +155,6 @@ class Worker:
         if self.threads:
             torch.set_num_threads(self.threads)
         try:
-            if self.warm_up is not None:
-                self.warm_up()
-            self.ready.set()
             while True:
                 job = self.take(block=True)
                 if job is STOP:
@@ -293,3 +285,20 @@ class Metrics:
             "aiayn_failures", "Requests not answered 200, by reason", ["reason"], registry=r
         )
         self.queue = Gauge("aiayn_queue_lines", "Lines waiting to be translated", registry=r)
+
+    def follow(self, warmup: Warmup | None) -> None:
+        """Gauges of the compile in the background (warmup.py), where there is one: its graphs done and in
+        all, and which classes of batches decode compiled."""
+        if warmup is None:
+            return
+        progress = warmup.progress
+        graphs = Gauge("aiayn_compile_graphs", "Decoding graphs compiled in the background: done, total",
+                       ["state"], registry=self.registry)  # fmt: skip
+        graphs.labels("done").set_function(
+            lambda: sum(g.seconds is not None for g in progress.graphs.values())
+        )
+        graphs.labels("total").set_function(lambda: len(progress.graphs))
+        compiled = Gauge("aiayn_compiled_batches", "Whether a class of batches (by sentences) decodes compiled",
+                         ["batches"], registry=self.registry)  # fmt: skip
+        for cls in warmup.sizes:
+            compiled.labels(cls).set_function(lambda cls=cls: cls in progress.ready)

@@ -27,9 +27,9 @@ def model():
 
 
 def check(model, decoder, width: int) -> None:
-    """Greedy over 3 sentences and beam 4 over 1 with decoder: eager's hypotheses. Both are 4 rows, but two
-    steps (cross-attention keys/values of 4 rows and of 1): one must not run the other's. (One sentence,
-    so one beam graph: each package costs the suite seconds of C++ compiling.)"""
+    """Greedy over 3 sentences and beam 4 over 1 with decoder: eager's hypotheses. 3 rows and 4, a few
+    sentences and one: each its own memory and step graphs. (One sentence, so one beam graph: each package
+    costs the suite seconds of C++ compiling.)"""
     for batch, beam in ((3, 1), (1, 4)):
         src = sources(batch, width, seed=batch + width)
         config = SearchConfig(beam_size=beam, n_best=beam, max_len_b=20)
@@ -52,11 +52,11 @@ def test_a_store_serves_a_later_decoder_without_compiling(model, store):
     """Graphs exported to a store (AOTInductor packages) give eager's hypotheses (the store fixture), and a
     decoder made later over a fresh copy of the model (a second process, as far as it can tell) loads
     them instead of compiling: the cached second run of `--compile`."""
-    # encoder, cross keys/values and step, for 4 sentences and for 1; beam search's own work for 1,
-    # greedy search's for 3 and fewer live sentences and for 1
+    # memory (the encoder and the cross keys/values) and step, for a few sentences and for one; beam
+    # search's own work for 1, greedy search's for 3 and fewer live sentences and for 1
     assert (
         sorted(p.name.split("-")[0] for p in store.glob("*.pt2"))
-        == ["beam"] + ["cross"] * 2 + ["encoder"] * 2 + ["greedy"] * 2 + ["step"] * 2
+        == ["beam"] + ["greedy"] * 2 + ["memory"] * 2 + ["step"] * 2
     )
     copy = Transformer(preset("tiny", vocab_size=V)).eval()
     copy.load_state_dict(model.state_dict())
@@ -95,21 +95,18 @@ def assert_same(got: tuple[list, list], want: tuple[list, list]) -> None:
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize(
-    ("damage", "graph"), [("truncated", "cross-1-"), ("corrupted", "beam-"), ("foreign", "cross-1-")]
-)
-def test_a_damaged_package_is_compiled_again_with_one_line_saying_so(
-    model, store, tmp_path, capsys, damage, graph
-):
+@pytest.mark.parametrize("damage", ["truncated", "corrupted", "foreign"])
+def test_a_damaged_package_is_compiled_again_with_one_line_saying_so(model, store, tmp_path, capsys, damage):
     """A store file that is not a whole package of its graph (truncated, bits flipped, another graph's) is
     a cache miss: that graph alone is compiled again and its file replaced (a new file renamed over it),
     with one line on stderr naming it, and the search gives eager's hypotheses; a decoder made later loads
     the new file without compiling. (PyTorch's loader raises a RuntimeError on a truncated file, runs
     another graph's package on inputs it was not compiled for, and checks no checksum of the library it
-    loads: flipped bytes there crash the process or go unnoticed.)"""
+    loads: flipped bytes there crash the process or go unnoticed. Beam search's own work is the graph
+    damaged: the smallest to compile again.)"""
     damaged = shutil.copytree(store, tmp_path / "store")
-    (target,) = damaged.glob(f"{graph}*.pt2")
-    (other,) = damaged.glob("encoder-1-*.pt2")
+    (target,) = damaged.glob("beam-*.pt2")
+    (other,) = damaged.glob("greedy-1-*.pt2")
     target.write_bytes(DAMAGES[damage](target.read_bytes(), other.read_bytes()))
     files = {p.name: p.stat().st_ino for p in damaged.iterdir()}
     capsys.readouterr()
@@ -157,7 +154,7 @@ def test_two_processes_compiling_one_graph_into_a_store_at_once(model, store, tm
     renames its own whole file over the other's (temporary names never collide), both give eager's
     hypotheses, and the store is left holding only whole packages, which a later decoder loads."""
     shared = shutil.copytree(store, tmp_path / "store")
-    (shared / next(store.glob("cross-1-*.pt2")).name).unlink()  # the graph both compile
+    (shared / next(store.glob("beam-*.pt2")).name).unlink()  # the graph both compile (the smallest)
     weights, ready = tmp_path / "weights.pt", tmp_path / "ready"
     torch.save(model.state_dict(), weights)
     ready.mkdir()
@@ -228,8 +225,12 @@ def test_a_store_on_a_full_disk_is_an_error_naming_the_package(model, small_disk
     store = small_disk / "store"
     filler = fill(small_disk)
     compiled = CompiledDecoder(model, store=store, max_autotune=False)
-    with pytest.raises(OSError) as error:
-        search(compiled, sources(1, 9, seed=2), SearchConfig(beam_size=1, max_len_b=5))
-    assert error.value.errno == errno.ENOSPC and error.value.filename.startswith(str(store / "encoder-"))
+    logits, log_prob, limit, length = torch.randn(2, V), torch.zeros(2), torch.full((2,), 9), torch.ones(1)
+    with (
+        pytest.raises(OSError) as error,
+        torch.inference_mode(),
+    ):  # greedy search's own work: the smallest graph
+        compiled.greedy_candidates(logits, log_prob, limit, length.long())
+    assert error.value.errno == errno.ENOSPC and error.value.filename.startswith(str(store / "greedy-"))
     assert list(store.iterdir()) == []
     filler.unlink()

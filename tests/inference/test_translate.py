@@ -7,6 +7,7 @@ import torch
 from aiayn.config import SearchConfig, preset
 from aiayn.data.synthetic import generate
 from aiayn.inference.translate import Translator
+from aiayn.inference.warmup import classes_up_to, plan
 from aiayn.model import Transformer
 from aiayn.precision import Int8Linear, for_inference
 from aiayn.tokenizer import BOS_ID, EOS_ID, Tokenizer
@@ -173,28 +174,26 @@ def test_transposed_weights_are_the_same_model_in_another_layout(model, tokenize
 
 
 @pytest.mark.parametrize(
-    ("max_sentences", "sizes"), [(64, [1, 2, 4, 8, 16, 32]), (5, [1, 2, 4, 5]), (1, [1])]
+    ("max_sentences", "classes"), [(64, ["one", "few", "many"]), (5, ["one", "few"]), (1, ["one"])]
 )
-def test_warm_up_searches_once_with_each_batch_size_that_has_graphs_of_its_own(
-    model, tokenizer, monkeypatch, max_sentences, sizes
+def test_the_warm_up_plan_finds_each_classs_graphs_in_order_and_compiles_nothing(
+    model, tokenizer, tmp_path, monkeypatch, max_sentences, classes
 ):
-    """What `serve --compile` runs before it says ready: a search of 1, 2, 4, ... sentences up to the
-    server's batch_sentences and the compiled decoder's max_sentences (32; larger batches decode
-    eagerly), so that no batch a server makes compiles on a request's time. An eager translator has
-    nothing to warm. (That the graphs are then made: test_server's compiled-server test.)"""
-    from aiayn.inference.compiled import CompiledDecoder
-
-    search_config = SearchConfig(beam_size=4)
-    translator = Translator(model, tokenizer, search_config)
-    searched = []
-    monkeypatch.setattr(translator, "translate_ids", lambda ids, config: searched.append((len(ids), config)))
-    translator.warm_up(search_config, max_sentences, say=lambda line: None)
-    assert searched == []
-    translator.decoder = CompiledDecoder(model, max_autotune=False)  # compiles nothing until it is called
-    lines = []
-    translator.warm_up(search_config, max_sentences, say=lines.append)
-    assert searched == [(size, search_config) for size in sizes]
-    assert len(lines) == len(sizes) + 1 and lines[-1].startswith("compiled decoding: ready")
+    """What a server's compile workers do first (warmup.py): the warm-up batch of each row class its
+    batches fall in (one sentence; a few; many, from 8, up to batch_sentences and the compiled decoder's
+    32; larger batches decode eagerly), decoded eagerly once to find the graphs they meet, in the order met,
+    each with the classes whose batches need it. Nothing is compiled or written."""
+    monkeypatch.setenv("AIAYN_COMPILE_STORE", str(tmp_path))
+    beam = SearchConfig(beam_size=4)
+    translator = Translator(model, tokenizer, beam, "fp32", compile=True)
+    sizes = classes_up_to(min(max_sentences, translator.compiled.max_sentences))
+    assert list(sizes) == classes
+    needs = plan(translator, [beam], sizes)
+    assert [key[1] for key in needs if key[0] == "memory"] == classes
+    for cls in classes:  # each class: its memory and step, and beam search's own work of its sentences
+        assert {key[0] for key, of in needs.items() if cls in of} == {"beam", "memory", "step"}, needs
+        assert all(key[1] == cls for key, of in needs.items() if cls in of and key[0] in ("memory", "step"))
+    assert translator.compiled.compile_seconds == 0.0 and list(tmp_path.iterdir()) == []
 
 
 def test_stored_mode_loads_what_a_compile_stored_decodes_the_rest_eagerly_and_compiles_nothing(

@@ -5,7 +5,9 @@ across requests, a client that goes away, and a shutdown with requests pending."
 import asyncio
 import contextlib
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zipfile
 
 import httpx
 import pytest
@@ -23,7 +26,6 @@ from fastapi.testclient import TestClient
 
 import aiayn
 from aiayn.config import SearchConfig, ServeConfig
-from aiayn.inference.compiled import CompiledDecoder
 from aiayn.inference.translate import Translator
 from aiayn.model import attention_maps
 from aiayn.serving.app import STATIC, create_app
@@ -279,46 +281,68 @@ def test_lines_of_concurrent_requests_share_a_batch_and_the_header_says_so(trans
         assert [int(r.headers["X-Batch-Size"]) for r in responses] == [1, 1, 1]
 
 
-def test_a_compiled_server_compiles_before_it_says_ready_and_serves_the_eager_translations(
-    model_dir, translator
+def test_a_compiled_server_answers_at_once_and_moves_to_its_graphs_as_they_come(
+    model_dir, translator, monkeypatch
 ):
-    """`aiayn serve --compile`: the worker compiles the graphs of every batch size it will make (here one
-    sentence of beam 4, batch_sentences=1: each size costs the suite seconds of compiling; that every size
-    is searched is test_translate's warm-up test) before /health says ok, refusing translations meanwhile
-    with 503 "starting"; after that, requests decode through the graphs without compiling anything more
-    (on the first requests, that compiling outlasted the request timeout) and get what the eager model
-    gives."""
+    """`aiayn serve` (compiled decoding, the default): /health says ok and translations come at once, decoded
+    eagerly, while worker processes compile the graphs in the background (here those of one sentence of
+    beam 4, batch_sentences=1: every graph costs the suite seconds); /info and /metrics say how far they
+    are; once they are in, the same requests decode through the graphs, never eagerly again, with the same
+    translations. Each graph is compiled once, by one of the two workers."""
     compiled = Translator.load(model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu", compile=True)
-    assert compiled.compiled is compiled.decoder
-    # in memory, and without inductor's GEMM autotuning (which only picks kernels, and doubles the time)
-    compiled.decoder = CompiledDecoder(compiled.model, max_autotune=False)
     with client_for(compiled, batch_sentences=1, timeout_s=300) as c:
+        assert c.get("/health").json() == {"status": "ok"}  # at once: nothing can be compiled yet
+        progress = c.get("/info").json()["compiled"]
+        assert progress["state"] == "compiling" and progress["ready"] == [], progress
+        responses = concurrent(c, [{"text": [text]} for text in INPUTS])
+        assert [r.json()["translations"] for r in responses] == [translator.translate([t]) for t in INPUTS]
+        deadline = time.monotonic() + 300
+        while (progress := c.get("/info").json()["compiled"])["state"] == "compiling":
+            assert time.monotonic() < deadline, "the graphs took over 5 minutes"
+            time.sleep(0.2)
+        assert progress["state"] == "done" and progress["ready"] == ["one"], progress
+        # the memory and step of one sentence, and beam search's own work
+        assert progress["graphs_done"] == progress["graphs_total"] == 3
+        assert all(graph["seconds"] > 0 for graph in progress["graphs"])
+        metrics = c.get("/metrics").text
+        assert 'aiayn_compile_graphs{state="done"} 3.0' in metrics
+        assert 'aiayn_compiled_batches{batches="one"} 1.0' in metrics
+        monkeypatch.setattr(compiled, "eager", None)  # a batch falling back to eager now stops the worker
+        responses = concurrent(c, [{"text": [text]} for text in INPUTS])
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        assert [r.json()["translations"] for r in responses] == [translator.translate([t]) for t in INPUTS]
+    decoder = compiled.compiled
+    assert decoder.compile_seconds == 0.0 and len(decoder._packages) == 3  # adopted, none compiled here
+    assert sorted(graph["worker"] for graph in progress["graphs"]) in ([0, 0, 1], [0, 1, 1])
+
+
+def test_a_server_can_hold_readiness_until_its_graphs_are_in(model_dir, translator):
+    """--ready-when-compiled (for a deployment behind a readiness probe): /health answers 503 "starting"
+    until the graphs are in, while /translate answers anyway. (The graphs are those the test above made:
+    the store is the test run's, so the workers load them.)"""
+    compiled = Translator.load(model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu", compile=True)
+    with client_for(compiled, batch_sentences=1, timeout_s=300, ready_when_compiled=True) as c:
         first = c.get("/health")
-        if first.status_code != 200:  # still compiling (it takes seconds): translations wait for it too
-            assert error_of(first, 503, "starting") and first.headers["Retry-After"]
-            assert error_of(c.post("/translate", json={"text": INPUTS[:1]}), 503, "starting")
+        assert error_of(first, 503, "starting") and first.headers["Retry-After"]
+        response = c.post("/translate", json={"text": INPUTS[:1]})
+        assert response.json()["translations"] == translator.translate(INPUTS[:1])
         deadline = time.monotonic() + 300
         while c.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "the graphs took over 5 minutes"
             time.sleep(0.2)
-        warm = compiled.decoder.compile_seconds
-        assert warm > 0  # graphs were made before the server said it was ready
-        responses = concurrent(c, [{"text": [text]} for text in INPUTS])
-        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-        assert [r.json()["translations"] for r in responses] == [translator.translate([t]) for t in INPUTS]
-    assert compiled.decoder.compile_seconds == warm  # nothing compiled on a request's time
+        assert c.get("/info").json()["compiled"]["state"] == "done"
 
 
 @pytest.mark.parametrize(
     ("flags", "compile"),
     [([], True), (["--no-compile"], False), (["--engine", "ctranslate2"], False), (["--compile"], True)],
 )
-def test_serve_compiles_before_it_serves_unless_told_not_to_or_ctranslate2_translates(
+def test_serve_compiles_in_the_background_unless_told_not_to_or_ctranslate2_translates(
     model_dir, monkeypatch, flags, compile
 ):
-    """`aiayn serve` compiles (or loads from the store) by default, the warm-up above; --no-compile serves
-    at once, eagerly; CTranslate2's engine has no compiled path, so by default it gets none (the Translator
-    it keeps for attention stays eager)."""
+    """`aiayn serve` compiles (or loads from the store) by default, in the background as above; --no-compile
+    decodes eagerly only; CTranslate2's engine has no compiled path, so by default it gets none (the
+    Translator it keeps for attention stays eager)."""
     given = []
     monkeypatch.setattr(
         "aiayn.serving.server.serve", lambda model, config, options, **kw: given.append(options)
@@ -538,3 +562,52 @@ def test_connections_to_the_servers_socket_send_without_nagle_delay():
         return nodelay
 
     assert asyncio.run(accepted_socket())
+
+
+def test_a_stop_during_the_background_compile_ends_server_and_workers_promptly(model_dir, tmp_path):
+    """SIGTERM to `aiayn serve` while its workers compile: the server and the workers (and their compilers)
+    end within seconds, and the store holds only whole packages, none half written. Ctrl-C is SIGINT to the
+    terminal's process group, which the workers are outside of: the server ends them the same way."""
+    store = tmp_path / "store"
+    env = {**os.environ, "AIAYN_COMPILE_STORE": str(store)}
+    command = [sys.executable, "-m", "aiayn", "serve", str(model_dir), "--port", str(free_port()),
+               "--batch-sentences", "1", "--dtype", "fp32"]  # fmt: skip
+    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    console = []
+    try:
+        for line in server.stderr:  # the workers have made their plan: they are compiling
+            console.append(line)
+            if "graphs to compile" in line:
+                break
+        workers = [pid for pid, cmdline in processes() if "aiayn.inference.warmup" in cmdline]
+        assert workers, console
+        time.sleep(1.0)  # into the compile of a graph
+        start = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+        ended = time.monotonic() - start
+    finally:
+        server.kill()
+    console += server.stderr.readlines()
+    assert ended < 10, (ended, console)
+    assert not [pid for pid, _ in processes() if pid in workers], "a worker outlived the server"
+    text = "".join(console)
+    assert "Traceback" not in text and "AUTOTUNE" not in text, text
+    for path in store.iterdir() if store.exists() else []:
+        assert path.suffix == ".pt2", f"not a package: {path.name}"
+        with zipfile.ZipFile(path) as archive:
+            assert archive.testzip() is None
+
+
+def processes() -> list[tuple[int, str]]:
+    """(pid, command line) of this machine's running processes (a zombie has ended: not one)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                        continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")))
+    return found

@@ -1,0 +1,334 @@
+"""Compiling a translator's graphs in worker processes, at a low priority, while it decodes eagerly: what
+`aiayn serve` does at start, so that it answers from the moment the model is loaded and each row class of
+batches (compiled.row_class) moves to its compiled graphs once they are all in.
+
+A worker (`python -m aiayn.inference.warmup_worker`) loads the model directory with the translator's options,
+so its graphs get the same names in the store (compiled.fingerprint, checked), and runs one batch of each
+row class with each search: first eagerly, meeting every graph the batches need in order (the plan),
+then compiling its share, every W-th graph of W workers (it runs the others eagerly, only to go on).
+It writes a JSON line to its events pipe for the plan and for each graph it has stored; the translator's
+process loads each graph from the store as it comes (StoredDecoder.adopt) and opens each class to its
+batches when all the class's graphs are in. The workers run at a low priority (nice), in their own
+process group, which stop() ends: a package is written atomically, so none is ever half there.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from aiayn.config import InferenceOptions, SearchConfig
+from aiayn.inference.compiled import MANY, CompiledDecoder, fingerprint
+from aiayn.tokenizer import EOS_ID
+
+# The sentences of the batch each row class is compiled with: the fewest of its class (the eager passes are
+# the cheaper), since the kernels are chosen for the class, not for its example (compiled.compiling).
+SENTENCES = MappingProxyType({"one": 1, "few": 2, "many": MANY})
+NICE = 10  # the workers' niceness: the process that answers requests comes first
+LINE_TOKENS = 16  # a warm-up line's source tokens, about a Multi30k sentence's
+
+
+def classes_up_to(sentences: int) -> dict[str, int]:
+    """The row classes of batches of up to `sentences` sentences, each with the sentences of its warm-up
+    batch."""
+    return {cls: n for cls, n in SENTENCES.items() if n <= sentences}
+
+
+def plan(translator: Any, searches: list[SearchConfig], sizes: dict[str, int]) -> dict[tuple, set[str]]:
+    """The graphs the warm-up batches of translator's compiled decoder meet, in the order met, each with
+    the classes whose batches need it: the batches run eagerly, nothing is compiled."""
+    decoder = translator.compiled
+    compiles, decoder.compiles = decoder.compiles, lambda index: False
+    needs: dict[tuple, set[str]] = {}
+    try:
+        for cls, run in warm_up_batches(translator, searches, sizes):
+            decoder.calls = []
+            run()
+            for key in decoder.calls:
+                needs.setdefault(key, set()).add(cls)
+    finally:
+        decoder.calls, decoder.compiles = None, compiles
+    return {key: needs[key] for key in decoder.met}
+
+
+@dataclass
+class Graph:
+    """A graph of the plan: its key, the classes that need it, and once stored, its seconds."""
+
+    key: tuple
+    classes: set[str]
+    seconds: float | None = None  # compiling it, in the worker
+    worker: int = 0
+
+
+@dataclass
+class Progress:
+    """How far a warm-up is: what /info and /metrics say of it, and the console's lines."""
+
+    state: str = "starting"  # starting, compiling, done, failed, stopped
+    graphs: dict[tuple, Graph] = field(default_factory=dict)  # the plan, in the order met
+    ready: list[str] = field(default_factory=list)  # the row classes that decode compiled
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        done = [g for g in self.graphs.values() if g.seconds is not None]
+        return {
+            "state": self.state,
+            "ready": list(self.ready),
+            "graphs_done": len(done),
+            "graphs_total": len(self.graphs) or None,
+            "seconds": round((self.finished or time.monotonic()) - self.started, 1),
+            "compile_seconds": round(sum(g.seconds for g in done), 1),  # type: ignore[misc]
+            "graphs": [
+                {
+                    "graph": describe(g.key),
+                    "classes": sorted(g.classes),
+                    "seconds": g.seconds,
+                    "worker": g.worker,
+                }
+                for g in self.graphs.values()
+            ],
+            **({"error": self.error} if self.error else {}),
+        }
+
+
+def describe(key: tuple) -> str:
+    """A graph's key as a person reads it: "step, few sentences, 4 rows a sentence"."""
+    name, rest = key[0], key[1:]
+    if name == "memory":
+        return f"encoder, {_sentences(rest[0])}"
+    if name == "step":
+        return f"decoding step, {_sentences(rest[0])}, {rest[1]} row(s) a sentence" + (
+            ", shortlist" if rest[3] else ""
+        )
+    return f"{name} search's own work, {'1 sentence' if rest[0] == 1 else 'any sentences'}"
+
+
+def _sentences(cls: str) -> str:
+    return {"one": "1 sentence", "few": "a few sentences", "many": "many sentences"}[cls]
+
+
+class Warmup:
+    """Worker processes compiling a translator's graphs into its store while it decodes eagerly.
+
+    source: the model directory and options the translator was loaded with (Translator.source); decoder: the
+    one the translator decodes with, which adopts each graph and, where it is gated (its classes), opens
+    each class of batches to its graphs; searches and sizes: what to compile for, the row classes each with
+    the sentences of its warm-up batch (SENTENCES). here: worker 0 is this process (compile_here), for a
+    process that has nothing else to do meanwhile (`aiayn translate --compile`), which saves a start."""
+
+    def __init__(
+        self,
+        source: tuple[Path, InferenceOptions],
+        decoder: CompiledDecoder,
+        searches: list[SearchConfig],
+        sizes: dict[str, int],
+        workers: int,
+        say: Callable[[str], None],
+        here: bool = False,
+    ):
+        self.directory, self.options = source
+        self.decoder, self.searches, self.sizes, self.say = decoder, searches, sizes, say
+        self.workers, self.here = workers, here
+        self.progress = Progress()
+        self.processes: list[subprocess.Popen] = []
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.finished_workers = 0
+
+    def start(self) -> None:
+        """Start the workers; returns at once."""
+        assert self.decoder.store is not None, "workers hand graphs over through a store"
+        expected = fingerprint(self.decoder.model, self.decoder.options)
+        for index in range(1 if self.here else 0, self.workers):
+            read, write = os.pipe()
+            command = [sys.executable, "-m", "aiayn.inference.warmup_worker", str(self.directory), "--options",
+                       json.dumps(asdict(self.options)), "--searches", json.dumps([asdict(s) for s in self.searches]),
+                       "--sizes", json.dumps(self.sizes), "--worker", str(index), "--workers", str(self.workers),
+                       "--events", str(write), "--fingerprint", expected]  # fmt: skip
+            env = {**os.environ, "AIAYN_COMPILE_STORE": str(self.decoder.store)}
+            process = subprocess.Popen(command, env=env, pass_fds=(write,), stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0)  # fmt: skip
+            os.close(write)
+            self.processes.append(process)
+            thread = threading.Thread(target=self._follow, args=(index, process, read), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        self.progress.state = "compiling"
+        classes = ", ".join(_sentences(cls) for cls in self.sizes)
+        processes = f"{self.workers} worker process{'es' if self.workers > 1 else ''}"
+        self.say(f"compiled decoding: compiling the graphs of batches of {classes} ({processes})")
+        if self.decoder.classes is not None:
+            self.say(
+                "compiled decoding: answering now, eagerly; the compile runs at a lower priority, and each "
+                "class of batches switches to its graphs once they are all in (GET /info says how far)"
+            )
+
+    def compile_here(self, translator: Any) -> None:
+        """Worker 0's share, in this process (here=True), after start(): its graphs go straight into the
+        decoder (which is translator's), the others' come as the workers store them."""
+        decoder = self.decoder
+        saved = decoder.compiles, decoder.on_compiled, decoder.builds_at_once
+        error = None
+        try:
+            needs = plan(translator, self.searches, self.sizes)
+            self._event(0, {"plan": [[list(key), sorted(classes)] for key, classes in needs.items()]})
+            decoder.compiles = lambda index: index % self.workers == 0
+            decoder.on_compiled = lambda key, path, seconds: self._event(
+                0, {"graph": list(key), "path": str(path), "seconds": round(seconds, 1)}
+            )
+            decoder.builds_at_once = self.workers == 1
+            for _, run in warm_up_batches(translator, self.searches, self.sizes):
+                run()
+        except Exception as failure:  # as a worker's: said, and the batches that need the graphs compile them
+            error = f"{type(failure).__name__}: {failure}"
+        finally:
+            decoder.compiles, decoder.on_compiled, decoder.builds_at_once = saved
+        self._finished(0, error)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every worker has ended; whether all of the plan is in."""
+        self.done.wait(timeout)
+        return self.progress.state == "done"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the workers now (SIGTERM to their process groups, then SIGKILL): a package being written is
+        not renamed into the store, so nothing partial is left there."""
+        if self.progress.state in ("compiling", "starting"):
+            self.progress.state = "stopped"
+        for process in self.processes:
+            if process.poll() is None:
+                with _no_such_process():
+                    os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with _no_such_process():
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for thread in self.threads:
+            thread.join(timeout)
+
+    # --- in each worker's reader thread ---
+
+    def _follow(self, index: int, process: subprocess.Popen, read: int) -> None:
+        """Read a worker's events, then its end; stderr is kept for the error, if there is one."""
+        errors: collections.deque[str] = collections.deque(maxlen=40)
+        drain = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)  # type: ignore[arg-type]
+        drain.start()
+        try:
+            with os.fdopen(read, encoding="utf-8") as events:
+                for line in events:
+                    self._event(index, json.loads(line))
+        except Exception as error:  # a graph that does not load: this worker's graphs are not used
+            self._fail(f"{type(error).__name__}: {error}")
+            with _no_such_process():
+                os.killpg(process.pid, signal.SIGTERM)
+        code = process.wait()
+        drain.join(5)
+        error = None
+        if code:
+            last = "".join(errors).strip().splitlines()[-1:] or [f"exit status {code}"]
+            error = f"worker {index} failed: {last[0]}\n{''.join(errors).rstrip()}"
+        self._finished(index, error)
+
+    def _finished(self, index: int, error: str | None) -> None:
+        """A worker has ended (error: why it failed); the last to end settles the state."""
+        with self.lock:
+            self.finished_workers += 1
+            if error is not None and self.progress.state == "compiling":
+                message, _, details = error.partition("\n")
+                self._fail(message, details)
+            if self.finished_workers == self.workers:
+                if self.progress.state == "compiling":
+                    self.progress.state = "done" if self._missing() == [] else "failed"
+                self.progress.finished = time.monotonic()
+                self.done.set()
+
+    def _event(self, index: int, event: dict) -> None:
+        with self.lock:
+            progress = self.progress
+            if "plan" in event:  # every worker sends the same plan: the first is kept
+                if not progress.graphs:
+                    for key, classes in event["plan"]:
+                        progress.graphs[_key(key)] = Graph(_key(key), set(classes), worker=0)
+                    self.say(f"compiled decoding: {len(progress.graphs)} graphs to compile")
+                return
+            key = _key(event["graph"])
+        self.decoder.adopt(key, Path(event["path"]))  # outside the lock: loading takes a second or so
+        with self.lock:
+            graph = progress.graphs[key]
+            graph.seconds, graph.worker = event["seconds"], index
+            done = [g for g in progress.graphs.values() if g.seconds is not None]
+            for cls in self.sizes:
+                if cls not in progress.ready and all(
+                    g.seconds is not None for g in progress.graphs.values() if cls in g.classes
+                ):
+                    progress.ready.append(cls)
+                    if self.decoder.classes is not None:
+                        self.decoder.classes.add(cls)
+            elapsed = time.monotonic() - progress.started
+            left = len(progress.graphs) - len(done)
+            estimate = f"; about {elapsed / len(done) * left:.0f} s left" if left else ""
+            self.say(f"compiled decoding: graph {len(done)} of {len(progress.graphs)} in ({describe(key)}, "
+                     f"{graph.seconds:.0f} s) after {elapsed:.0f} s{estimate}"
+                     + (f"; {_opened(progress.ready)}" if progress.ready else ""))  # fmt: skip
+
+    def _missing(self) -> list[tuple]:
+        return [key for key, graph in self.progress.graphs.items() if graph.seconds is None]
+
+    def _fail(self, message: str, details: str = "") -> None:
+        if self.progress.state == "compiling":
+            self.progress.state = "failed"
+            self.progress.error = message
+            self.say(f"compiled decoding: {message}; decoding stays eager for what is not compiled"
+                     + (f"\n{details.rstrip()}" if details else ""))  # fmt: skip
+
+
+def _opened(ready: list[str]) -> str:
+    return "compiled now: " + ", ".join(_sentences(c) for c in ready)
+
+
+def _key(value: list) -> tuple:
+    """A graph's key from JSON (lists back to the tuple)."""
+    return tuple(value)
+
+
+class _no_such_process:
+    """Around a signal to a worker that may have ended already."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> bool:
+        return kind is ProcessLookupError
+
+
+def warm_up_batches(
+    translator: Any, searches: list[SearchConfig], sizes: dict[str, int]
+) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """Each class's warm-up batch with each search: (class, a function translating it). Its sentences are
+    of different lengths, LINE_TOKENS and fewer (about a Multi30k sentence's), so that they end at
+    different steps, as a real batch's do, and the batch meets the graphs of fewer live sentences too."""
+    vocabulary = translator.model.config.src_vocab_size
+    tokens = [4 + i % (vocabulary - 4) for i in range(LINE_TOKENS - 1)]
+    for cls, sentences in sizes.items():
+        lines = [tokens[: len(tokens) - i % 8] + [EOS_ID] for i in range(sentences)]
+        for search in searches:
+            yield cls, lambda search=search, lines=lines: translator.translate_ids(lines, search)

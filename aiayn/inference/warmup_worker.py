@@ -1,0 +1,65 @@
+"""A worker process of warmup.py: loads a model directory as the translator that started it did, and compiles
+its share of the warm-up's graphs into the store, saying each on its events pipe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+
+from aiayn.config import InferenceOptions, SearchConfig
+from aiayn.inference.compiled import fingerprint
+from aiayn.inference.translate import Translator
+from aiayn.inference.warmup import NICE, plan, warm_up_batches
+
+
+def work(args: argparse.Namespace) -> None:
+    """One worker: the plan, then its share of the graphs, each announced on the events pipe."""
+    os.nice(NICE)
+    torch.set_num_threads(1)
+    events = os.fdopen(args.events, "w", encoding="utf-8", buffering=1)
+    options = InferenceOptions(**{**json.loads(args.options), "compile": True})
+    searches = [SearchConfig(**s) for s in json.loads(args.searches)]
+    sizes = json.loads(args.sizes)
+    translator = Translator.load(args.model, searches[0], options)
+    decoder = translator.compiled
+    assert decoder is not None and decoder.store is not None
+    if fingerprint(decoder.model, decoder.options) != args.fingerprint:
+        sys.exit("the worker's model is not the server's (another fingerprint): nothing compiled")
+    needs = plan(translator, searches, sizes)
+    events.write(
+        json.dumps({"plan": [[list(key), sorted(classes)] for key, classes in needs.items()]}) + "\n"
+    )
+    decoder.compiles = lambda index: index % args.workers == args.worker  # index: in the order met
+    decoder.builds_at_once = args.workers == 1  # else the other workers use the other cores
+    decoder.on_compiled = lambda key, path, seconds: events.write(
+        json.dumps({"graph": list(key), "path": str(path), "seconds": round(seconds, 1)}) + "\n"
+    )
+    for _, run in warm_up_batches(translator, searches, sizes):
+        run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="a worker compiling a model's graphs into the store (warmup.py)"
+    )
+    parser.add_argument("model")
+    parser.add_argument("--options", required=True, help="InferenceOptions as JSON")
+    parser.add_argument("--searches", required=True, help="SearchConfigs as a JSON list")
+    parser.add_argument("--sizes", required=True, help="row class -> warm-up sentences, JSON")
+    parser.add_argument("--worker", type=int, required=True)
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--events", type=int, required=True, help="the file descriptor of the events pipe")
+    parser.add_argument("--fingerprint", required=True, help="the graphs' fingerprint in the parent")
+    args = parser.parse_args(argv)
+    # SIGTERM from stop(): unwind, so that a package being written is removed, not left half there
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    work(args)
+
+
+if __name__ == "__main__":
+    main()
