@@ -39,6 +39,7 @@ import http.client
 import json
 import multiprocessing
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -459,6 +460,7 @@ def cold_start(args) -> None:
         "benchmark": "cold_start",
         "machine": machine(),
         "isa": args.isa,
+        "command": shlex.join(["python", *sys.argv]),
         "load_before": load_before,
         "results": rows,
     }

@@ -1,12 +1,14 @@
-"""The README's quality and speed tables, rendered from the results files the benchmarks write, so that
-a figure in the README is always one a benchmark measured:
+"""The tables of the README and docs/performance.md that hold measured figures, rendered from the results
+files the benchmarks write, so that a figure there is always one a benchmark measured:
 
     docs/m30k_budget.json        python benchmarks/bench_budget.py      (quality: Multi30k under a CPU budget)
     docs/bench_train_cpu.json    python benchmarks/bench_train.py ... --results docs/bench_train_cpu.json
     docs/bench_translate_cpu.json  python benchmarks/bench_translate.py ... --results docs/bench_translate_cpu.json
+    docs/bench_cold_cpu.json, docs/bench_cold_cpu_avx2.json
+                                 python benchmarks/bench_serve.py --cold-start [--isa avx2] --results ...
 
-`python benchmarks/tables.py` rewrites the tables in README.md between their markers; `--check` only says
-whether they agree (tests/test_docs.py does the same).
+`python benchmarks/tables.py` rewrites the tables between their markers; `--check` only says whether they
+agree (tests/test_docs.py does the same).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ README = ROOT / "README.md"
 QUALITY = ROOT / "docs" / "m30k_budget.json"
 TRAIN = ROOT / "docs" / "bench_train_cpu.json"
 TRANSLATE = ROOT / "docs" / "bench_translate_cpu.json"
+PERFORMANCE = ROOT / "docs" / "performance.md"
+COLD = ROOT / "docs" / "bench_cold_cpu.json"
+COLD_AVX2 = ROOT / "docs" / "bench_cold_cpu_avx2.json"
 ARROW = {"de-en": "de → en", "en-de": "en → de"}
 MINUTES = (15, 30, 60)
 
@@ -120,6 +125,32 @@ def speed(train: dict, translate: dict) -> str:
     return "\n".join(lines)
 
 
+def cold_start(runs: list[dict], full: bool) -> str:
+    """What a user waits for at the start (bench_serve.py --cold-start): `aiayn serve`'s first translation
+    and full speed, from an empty store and from the one that start filled, and `translate --compile` of
+    one sentence. full: every figure of every run (performance.md); else fp32 of the first (the README)."""
+    lines = [
+        "| CPU | model | serve, empty store: first translation | full speed | graphs (compile s) | "
+        "filled store: first translation | full speed | translate --compile, 1 sentence: empty | filled |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs if full else runs[:1]:
+        where = "capped at AVX2" if run["isa"] == "avx2" else "native"
+        for r in run["results"]:
+            if not full and r["dtype"] != "fp32":
+                continue
+            e, w = r["serve_empty"], r["serve_warm"]
+            lines.append(
+                f"| {where} | `{r['config']}` {r['dtype']} | {e['first_s']:.1f} s | {e['full_s']:.0f} s | "
+                f"{len(e['graphs'])} ({e['compile_s']:.0f} s) | {w['first_s']:.1f} s | {w['full_s']:.0f} s | "
+                f"{r['translate_empty_s']:.0f} s | {r['translate_warm_s']:.1f} s |"
+            )
+    lines += [""] + [
+        f"{run['machine']}, {run['date']} (`{run['command']}`)." for run in (runs if full else runs[:1])
+    ]
+    return "\n".join(lines)
+
+
 PEERS = {
     "torch.nn": "torch.nn.Transformer",
     "marian": "HF Marian",
@@ -130,36 +161,47 @@ PEERS = {
 }
 
 
-def tables() -> dict[str, str]:
-    return {"quality": quality(read(QUALITY)), "speed": speed(read(TRAIN), read(TRANSLATE))}
+def tables(page: Path = README) -> dict[str, str]:
+    """The tables of one page (README.md or docs/performance.md), by name."""
+    cold = [read(COLD), read(COLD_AVX2)]
+    if page == PERFORMANCE:
+        return {"cold start": cold_start(cold, full=True)}
+    return {
+        "quality": quality(read(QUALITY)),
+        "speed": speed(read(TRAIN), read(TRANSLATE)),
+        "cold start": cold_start(cold, full=False),
+    }
 
 
 def block(name: str) -> re.Pattern:
-    """A table's place in the README: between <!-- NAME table --> and <!-- end NAME table -->."""
+    """A table's place in a page: between <!-- NAME table --> and <!-- end NAME table -->."""
     return re.compile(rf"(<!-- {name} table[^>]*-->\n)(.*?)(<!-- end {name} table -->)", re.S)
 
 
-def rendered(text: str) -> str:
-    """text with every table block replaced by its rendering."""
-    for name, table in tables().items():
+def rendered(text: str, page: Path = README) -> str:
+    """text (of page) with every table block replaced by its rendering."""
+    for name, table in tables(page).items():
         pattern = block(name)
         if not pattern.search(text):
-            raise SystemExit(f"README.md has no <!-- {name} table --> block")
+            raise SystemExit(f"{page.name} has no <!-- {name} table --> block")
         text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(3), text)
     return text
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="only say whether README.md's tables are current")
+    p.add_argument("--check", action="store_true", help="only say whether the tables are current")
     args = p.parse_args()
-    text = README.read_text(encoding="utf-8")
-    new = rendered(text)
-    if args.check:
-        sys.exit(
-            0 if new == text else "README.md's tables differ from the results files: run benchmarks/tables.py"
-        )
-    README.write_text(new, encoding="utf-8")
+    stale = []
+    for page in (README, PERFORMANCE):
+        text = page.read_text(encoding="utf-8")
+        new = rendered(text, page)
+        if new != text:
+            stale.append(page.name)
+            if not args.check:
+                page.write_text(new, encoding="utf-8")
+    if args.check and stale:
+        sys.exit(f"{', '.join(stale)}: the tables differ from the results files: run benchmarks/tables.py")
 
 
 if __name__ == "__main__":

@@ -145,9 +145,10 @@ def test_every_relative_link_and_image_resolves():
     assert checked > 10
 
 
-def test_the_readme_tables_are_the_results_files():
-    """The README's quality and speed tables are what benchmarks/tables.py renders from the results files:
-    a figure changed by hand, or a results file re-measured without rendering, fails here."""
+def test_the_tables_of_figures_are_the_results_files():
+    """The README's quality, speed and cold-start tables and performance.md's cold-start table are what
+    benchmarks/tables.py renders from the results files: a figure changed by hand, or a results file
+    re-measured without rendering, fails here."""
     spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
@@ -155,6 +156,9 @@ def test_the_readme_tables_are_the_results_files():
     assert tables.rendered(readme) == readme, "README.md's tables differ: python benchmarks/tables.py"
     edited = readme.replace("| de → en | ", "| de → en | 1", 1)
     assert tables.rendered(edited) == readme
+    performance = ROOT / "docs" / "performance.md"
+    text = performance.read_text(encoding="utf-8")
+    assert tables.rendered(text, performance) == text, "performance.md's table differs: benchmarks/tables.py"
 
 
 # How the project was made is for git log, not for its files.

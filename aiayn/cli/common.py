@@ -62,10 +62,9 @@ def compile_flag(p: argparse.ArgumentParser, default: str | None, unset: str) ->
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=default,
-        help="--compile: decode with a compiled step (torch.compile), compiling the graphs a batch size "
-        "needs the first time (minutes on a small CPU) into ~/.cache/aiayn/compiled ($AIAYN_COMPILE_STORE), "
-        f"where later runs load them in a second; --no-compile: decode eagerly; neither: {unset} "
-        "(docs/translation.md)",
+        help="--compile: decode with a compiled step (torch.compile), compiling the graphs the input's "
+        "batches need first, on every core, into ~/.cache/aiayn/compiled ($AIAYN_COMPILE_STORE), where later "
+        f"runs load them in a second; --no-compile: decode eagerly; neither: {unset} (docs/translation.md)",
     )
     p.add_argument(
         "--shortlist",

@@ -298,10 +298,9 @@ class CompiledDecoder(Decoder):
         self._packages: dict[tuple, _Package] = {}  # the keys of the graphs from the store
         self._fingerprint: str | None = None
         self._search_fingerprint: str | None = None
-        # the graphs this decoder compiles, by the order they are first met in (0, 1, ...): all of them,
-        # or those a worker of warmup.py was given (it runs the others eagerly, only to go on)
-        self.compiles: Callable[[int], bool] = lambda index: True
-        self.met: dict[tuple, None] = {}  # the keys of the graphs called so far, in the order met
+        # the graphs this decoder compiles, by key: all of them, or those a worker of warmup.py was given
+        # (it runs the others eagerly, only to go on)
+        self.compiles: Callable[[tuple], bool] = lambda key: True
         self.calls: list[tuple] | None = None  # a list: every graph call's key is added to it
         self.on_compiled: Callable[[tuple, Path | None, float], None] | None = None  # (key, package, s)
         # the row classes it decodes at all (None: every one); a batch of another raises NotStored, and
@@ -437,8 +436,7 @@ class CompiledDecoder(Decoder):
             except RuntimeError as error:  # inputs no graph of fn was traced for: trace them (dynamo
                 if "skip_guard_eval_unsafe" not in str(error):  # raises before running anything)
                     raise
-        self.met.setdefault(key)
-        if not self.compiles(list(self.met).index(key)):
+        if not self.compiles(key):
             return self.graphs[key[0]](*args)
         start = time.perf_counter()
         if self.store is not None:
@@ -751,10 +749,10 @@ def fingerprint(model: Transformer, options: dict, weights: bool = True) -> str:
 def compile_options(model: Transformer, **options: Any) -> dict[str, Any]:
     """The inductor options CompiledDecoder(model, **options) compiles with, which its packages' names hold.
 
-    max_autotune on the CPU: inductor times its own C++ GEMM kernels against the BLAS call for each
-    matrix product of the step and keeps the faster: at a few rows MKL's sgemm is slow on AMD CPUs. On
-    a GPU it would time Triton templates for every product of every graph, minutes per model, where
-    cuBLAS is already the fast choice: off there."""
+    max_autotune on the CPU: inductor's own C++ GEMM kernels are candidates beside the library's call for
+    each matrix product, several times faster at a few rows; compiler.py picks one by the rows, timing
+    none. On a GPU it would time Triton templates for every product of every graph, minutes per model,
+    where cuBLAS is already the fast choice: off there."""
     on_cpu = next(model.parameters()).device.type == "cpu"
     return {"max_autotune": on_cpu, **options}
 

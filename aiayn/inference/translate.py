@@ -89,8 +89,9 @@ class Translator:
         """A model directory, in the layout and number format that translate fastest (for_inference);
         without a search_config, the one the model directory names (search.json), else §6.1's.
         options (config.InferenceOptions; overrides: some of its fields, e.g. dtype="fp32", device="cpu"):
-        compile=True decodes with a compiled step (compiled.py): the first batch of each size compiles, or
-        loads what an earlier process compiled from the store (compiled.default_store); compile="stored"
+        compile=True decodes with a compiled step (compiled.py): the first batch of each row class compiles
+        its graphs, or loads what an earlier process compiled from the store (compiled.default_store), and
+        compile_ahead / compile_in_background compile them beforehand in worker processes; compile="stored"
         (the command line's default) only loads, and decodes eagerly where the store has no graphs;
         shortlist restricts the output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
         if isinstance(overrides.get("device"), torch.device):

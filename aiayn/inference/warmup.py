@@ -7,7 +7,7 @@ so its graphs get the same names in the store (compiled.fingerprint, checked), a
 row class with each search: first eagerly, meeting every graph the batches need in order (the plan),
 then compiling its share, every W-th graph of W workers (it runs the others eagerly, only to go on).
 It writes a JSON line to its events pipe for the plan and for each graph it has stored; the translator's
-process loads each graph from the store as it comes (StoredDecoder.adopt) and opens each class to its
+process loads each graph from the store as it comes (CompiledDecoder.adopt) and opens each class to its
 batches when all the class's graphs are in. The workers run at a low priority (nice), in their own
 process group, which stop() ends: a package is written atomically, so none is ever half there.
 """
@@ -49,7 +49,7 @@ def plan(translator: Any, searches: list[SearchConfig], sizes: dict[str, int]) -
     """The graphs the warm-up batches of translator's compiled decoder meet, in the order met, each with
     the classes whose batches need it: the batches run eagerly, nothing is compiled."""
     decoder = translator.compiled
-    compiles, decoder.compiles = decoder.compiles, lambda index: False
+    compiles, decoder.compiles = decoder.compiles, lambda key: False
     needs: dict[tuple, set[str]] = {}
     try:
         for cls, run in warm_up_batches(translator, searches, sizes):
@@ -59,7 +59,14 @@ def plan(translator: Any, searches: list[SearchConfig], sizes: dict[str, int]) -
                 needs.setdefault(key, set()).add(cls)
     finally:
         decoder.calls, decoder.compiles = None, compiles
-    return {key: needs[key] for key in decoder.met}
+    return needs
+
+
+def share(needs: dict[tuple, set[str]], worker: int, workers: int) -> Callable[[tuple], bool]:
+    """Worker `worker`'s share of the plan's graphs: every `workers`-th, in the order met (a graph the
+    plan did not meet is worker 0's)."""
+    position = {key: i for i, key in enumerate(needs)}
+    return lambda key: position.get(key, 0) % workers == worker
 
 
 @dataclass
@@ -187,7 +194,7 @@ class Warmup:
         try:
             needs = plan(translator, self.searches, self.sizes)
             self._event(0, {"plan": [[list(key), sorted(classes)] for key, classes in needs.items()]})
-            decoder.compiles = lambda index: index % self.workers == 0
+            decoder.compiles = share(needs, 0, self.workers)
             decoder.on_compiled = lambda key, path, seconds: self._event(
                 0, {"graph": list(key), "path": str(path), "seconds": round(seconds, 1)}
             )

@@ -14,7 +14,7 @@ import torch
 from aiayn.config import InferenceOptions, SearchConfig
 from aiayn.inference.compiled import fingerprint
 from aiayn.inference.translate import Translator
-from aiayn.inference.warmup import NICE, plan, warm_up_batches
+from aiayn.inference.warmup import NICE, plan, share, warm_up_batches
 
 
 def work(args: argparse.Namespace) -> None:
@@ -34,7 +34,7 @@ def work(args: argparse.Namespace) -> None:
     events.write(
         json.dumps({"plan": [[list(key), sorted(classes)] for key, classes in needs.items()]}) + "\n"
     )
-    decoder.compiles = lambda index: index % args.workers == args.worker  # index: in the order met
+    decoder.compiles = share(needs, args.worker, args.workers)
     decoder.builds_at_once = args.workers == 1  # else the other workers use the other cores
     decoder.on_compiled = lambda key, path, seconds: events.write(
         json.dumps({"graph": list(key), "path": str(path), "seconds": round(seconds, 1)}) + "\n"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import EOS_HEAVY_V as V
 from conftest import eos_heavy_model, fill, fused_attention_calls, sources
+from torch._dynamo.utils import counters
 
 from aiayn.config import SearchConfig, preset
 from aiayn.inference.compiled import TRACED_CODE, CompiledDecoder, fingerprint
@@ -38,14 +39,44 @@ def check(model, decoder, width: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def store(model, tmp_path_factory):
-    """A store of packages that a first decoder compiled for check's searches, giving eager's hypotheses;
-    the tests that damage it copy it first (compiling it again would cost each of them tens of seconds)."""
+def compiled(model, tmp_path_factory):
+    """A store of packages that a first decoder compiled for check's searches, giving eager's hypotheses,
+    with inductor's default options (max_autotune: each product's kernel chosen, here by rule), and the
+    choices inductor timed meanwhile (none found in its cache: it is not read)."""
     store = tmp_path_factory.mktemp("store")
-    first = CompiledDecoder(model, store=store, max_autotune=False)
-    check(model, first, 9)
+    counters.clear()
+    with torch._inductor.config.patch(autotune_local_cache=False):
+        first = CompiledDecoder(model, store=store)
+        check(model, first, 9)
     assert first.compile_seconds > 0
-    return store
+    return store, counters["inductor"]["select_algorithm_autotune"]
+
+
+@pytest.fixture(scope="module")
+def store(compiled):
+    """The compiled store; the tests that damage it copy it first (compiling it again would cost each of
+    them seconds)."""
+    return compiled[0]
+
+
+def package_code(path) -> str:
+    """The C++ of a package: its kernels and the wrapper that calls them and the library."""
+    with zipfile.ZipFile(path) as archive:
+        return "".join(archive.read(n).decode() for n in archive.namelist() if n.endswith(".cpp"))
+
+
+def test_each_product_takes_the_kernel_of_its_rows_and_none_is_timed(compiled):
+    """max_autotune (the default on a CPU) chooses between inductor's own GEMM kernel and the library's
+    (oneDNN's linear) for every matrix product: by rule (compiler.TEMPLATE_ROWS), timing none, so that
+    no decision is made twice, in any graph or process (test_two_processes_... below: another process
+    times none either). One sentence's step, 4 rows, runs inductor's kernels, inlined; a few sentences'
+    memory, B x S rows, the library's."""
+    store, timed = compiled
+    assert timed == 0
+    one = package_code(next(store.glob("step-one-*.pt2")))
+    assert "micro_gemm" in one and "_linear_pointwise" not in one
+    batch = package_code(next(store.glob("memory-few-*.pt2")))
+    assert "_linear_pointwise" in batch and "micro_gemm" not in batch
 
 
 def test_a_store_serves_a_later_decoder_without_compiling(model, store):
@@ -60,7 +91,7 @@ def test_a_store_serves_a_later_decoder_without_compiling(model, store):
     )
     copy = Transformer(preset("tiny", vocab_size=V)).eval()
     copy.load_state_dict(model.state_dict())
-    later = CompiledDecoder(copy, store=store, max_autotune=False)
+    later = CompiledDecoder(copy, store=store)
     for width in (9, 15):  # the source length is dynamic in the packages too
         check(copy, later, width)
     assert later.compile_seconds == 0.0 and later.load_seconds > 0
@@ -110,24 +141,26 @@ def test_a_damaged_package_is_compiled_again_with_one_line_saying_so(model, stor
     target.write_bytes(DAMAGES[damage](target.read_bytes(), other.read_bytes()))
     files = {p.name: p.stat().st_ino for p in damaged.iterdir()}
     capsys.readouterr()
-    decoder = CompiledDecoder(model, store=damaged, max_autotune=False)
+    decoder = CompiledDecoder(model, store=damaged)
     assert_same(beam_search(decoder), beam_search(model))
     assert decoder.compile_seconds > 0
     assert {p.name: p.stat().st_ino for p in damaged.iterdir()}.keys() == files.keys()  # nothing left beside
     assert [name for name, ino in files.items() if (damaged / name).stat().st_ino != ino] == [target.name]
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"aiayn: {target}: ") and "compiling it again" in lines[0]
-    later = CompiledDecoder(model, store=damaged, max_autotune=False)
+    later = CompiledDecoder(model, store=damaged)
     assert_same(beam_search(later), beam_search(model))
     assert later.compile_seconds == 0.0 and capsys.readouterr().err == ""
 
 
 # One process of test_two_processes_compiling_one_graph_into_a_store_at_once: the tiny model from a weights
-# file, a decoder over the store, and (once the other process is as far) a beam search, printed as JSON.
+# file, a decoder over the store, and (once the other process is as far) a beam search, printed as JSON
+# with the choices inductor timed (none found in its cache: it is not read).
 COMPILE_IN_A_PROCESS = """
 import json, sys, time
 from pathlib import Path
 import torch
+from torch._dynamo.utils import counters
 from aiayn.config import SearchConfig, preset
 from aiayn.inference.compiled import CompiledDecoder
 from aiayn.inference.search import search
@@ -136,7 +169,8 @@ torch.set_num_threads(1)
 weights, store, ready, me, src, vocab_size = sys.argv[1:]
 model = Transformer(preset("tiny", vocab_size=int(vocab_size))).eval()
 model.load_state_dict(torch.load(weights))
-decoder = CompiledDecoder(model, store=store, max_autotune=False)
+torch._inductor.config.autotune_local_cache = False
+decoder = CompiledDecoder(model, store=store)
 Path(ready, me).touch()
 deadline = time.monotonic() + 120
 while len(list(Path(ready).iterdir())) < 2:
@@ -145,16 +179,18 @@ while len(list(Path(ready).iterdir())) < 2:
     time.sleep(0.01)
 hyps = search(decoder, torch.tensor(json.loads(src)), SearchConfig(beam_size=4, n_best=4, max_len_b=20))
 print(json.dumps({"tokens": [[h.tokens for h in hs] for hs in hyps], "scores": [[h.score for h in hs] for hs in hyps],
-                  "compiled": decoder.compile_seconds > 0}))
+                  "compiled": decoder.compile_seconds > 0, "timed": counters["inductor"]["select_algorithm_autotune"]}))
 """
 
 
 def test_two_processes_compiling_one_graph_into_a_store_at_once(model, store, tmp_path):
     """Two processes sharing a store both miss one graph at the same moment and both compile it: each
     renames its own whole file over the other's (temporary names never collide), both give eager's
-    hypotheses, and the store is left holding only whole packages, which a later decoder loads."""
+    hypotheses, and the store is left holding only whole packages, which a later decoder loads. Neither
+    times a kernel (the graph's products choose theirs by rule), nor prints inductor's tables or
+    warnings."""
     shared = shutil.copytree(store, tmp_path / "store")
-    (shared / next(store.glob("beam-*.pt2")).name).unlink()  # the graph both compile (the smallest)
+    (shared / next(store.glob("step-one-*.pt2")).name).unlink()  # the graph both compile
     weights, ready = tmp_path / "weights.pt", tmp_path / "ready"
     torch.save(model.state_dict(), weights)
     ready.mkdir()
@@ -172,12 +208,13 @@ def test_two_processes_compiling_one_graph_into_a_store_at_once(model, store, tm
         assert process.returncode == 0, err
         result = json.loads(out)
         assert result["compiled"]  # both missed the graph: neither found the other's file
+        assert result["timed"] == 0 and "AUTOTUNE" not in err and "Warning" not in err, err
         assert_same((result["tokens"], result["scores"]), want)
     assert sorted(p.name for p in shared.iterdir()) == sorted(p.name for p in store.iterdir())
     for package in shared.iterdir():
         with zipfile.ZipFile(package) as archive:
             assert archive.testzip() is None
-    later = CompiledDecoder(model, store=shared, max_autotune=False)
+    later = CompiledDecoder(model, store=shared)
     assert_same(beam_search(later), want)
     assert later.compile_seconds == 0.0
 

@@ -579,7 +579,7 @@ def test_a_stop_during_the_background_compile_ends_server_and_workers_promptly(m
             console.append(line)
             if "graphs to compile" in line:
                 break
-        workers = [pid for pid, cmdline in processes() if "aiayn.inference.warmup" in cmdline]
+        workers = [pid for pid, parent, cmdline in processes() if parent == server.pid and "warmup" in cmdline]
         assert workers, console
         time.sleep(1.0)  # into the compile of a graph
         start = time.monotonic()
@@ -590,7 +590,7 @@ def test_a_stop_during_the_background_compile_ends_server_and_workers_promptly(m
         server.kill()
     console += server.stderr.readlines()
     assert ended < 10, (ended, console)
-    assert not [pid for pid, _ in processes() if pid in workers], "a worker outlived the server"
+    assert not [pid for pid, _, _ in processes() if pid in workers], "a worker outlived the server"
     text = "".join(console)
     assert "Traceback" not in text and "AUTOTUNE" not in text, text
     for path in store.iterdir() if store.exists() else []:
@@ -599,15 +599,17 @@ def test_a_stop_during_the_background_compile_ends_server_and_workers_promptly(m
             assert archive.testzip() is None
 
 
-def processes() -> list[tuple[int, str]]:
-    """(pid, command line) of this machine's running processes (a zombie has ended: not one)."""
+def processes() -> list[tuple[int, int, str]]:
+    """(pid, parent pid, command line) of this machine's running processes (a zombie has ended: not one).
+    Other tests run beside this one and start workers of their own: the parent tells whose a worker is."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 with open(f"/proc/{entry}/stat", "rb") as f:
-                    if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                        continue
+                    state, parent = f.read().rsplit(b")", 1)[1].split()[:2]
+                if state == b"Z":
+                    continue
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")))
+                    found.append((int(entry), int(parent), f.read().replace(b"\0", b" ").decode(errors="replace")))
     return found
