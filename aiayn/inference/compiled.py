@@ -209,9 +209,10 @@ def _batch(t: Tensor, dim: int, row_class: str, size: str = "sentences") -> Tens
 # inductor's own kernel at a few rows, oneDNN's at many), and each class's batches are on one side of
 # where the faster kernel changes.
 MANY = 8  # the fewest sentences of the many class; the few class is 2 to MANY - 1
-SENTENCES = MappingProxyType(
-    {"few": (2, MANY - 1), "many": (MANY, None)}
-)  # the least and most sentences (None: any)
+# The most sentences of the many class: export needs a bound on every size, the rows (the sentences
+# times the beam) included, and this is far above any batch a graph is given (CompiledDecoder.max_sentences)
+MOST = 1 << 16
+SENTENCES = MappingProxyType({"few": (2, MANY - 1), "many": (MANY, MOST)})  # the least and most sentences
 # What a graph's kernels and int8 routes are chosen for where its rows are dynamic (compiling): the
 # sentences of a batch of its class, and for the memory, tokens a sentence (about a Multi30k sentence's).
 TRACED_SENTENCES = MappingProxyType({"one": 1, "few": 4, "many": 32})
@@ -259,7 +260,7 @@ class CompiledDecoder(Decoder):
     ):
         self.model = model.eval()
         self.config = model.config
-        self.max_sentences = max_sentences
+        self.max_sentences = min(max_sentences, MOST)  # larger batches decode eagerly
         self.options = compile_options(model, **options)
         # store: a directory of AOTInductor packages, one per graph and model, which a later process
         # loads in a second or two instead of tracing and compiling again (None: compile in memory)
@@ -576,9 +577,7 @@ def _shapes(key: tuple, args: tuple) -> Any:
     named: dict[str, Any] = {}
     if key[1] in SENTENCES:  # the memory and step graphs of a few or many sentences
         least, most = SENTENCES[key[1]]
-        named["sentences"] = sentences = Dim(
-            "sentences", min=least, max=most or torch.iinfo(torch.int64).max - 1
-        )
+        named["sentences"] = sentences = Dim("sentences", min=least, max=most)
         named["rows"] = key[2] * sentences if key[0] == "step" and key[2] > 1 else sentences
 
     def shape(t: Any) -> dict[int, Any] | None:

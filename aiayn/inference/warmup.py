@@ -169,7 +169,8 @@ class Warmup:
                        "--events", str(write), "--fingerprint", expected]  # fmt: skip
             env = {**os.environ, "AIAYN_COMPILE_STORE": str(self.decoder.store)}
             process = subprocess.Popen(command, env=env, pass_fds=(write,), stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0)  # fmt: skip
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0,
+                                       encoding="utf-8", errors="replace")  # fmt: skip
             os.close(write)
             self.processes.append(process)
             thread = threading.Thread(target=self._follow, args=(index, process, read), daemon=True)

@@ -7,7 +7,7 @@ from conftest import EOS_HEAVY_V as V
 from conftest import eos_heavy_model, fused_attention_calls, sources
 
 from aiayn.config import SearchConfig, preset
-from aiayn.inference.compiled import CompiledDecoder
+from aiayn.inference.compiled import MANY, SENTENCES, CompiledDecoder, _batch, _shapes
 from aiayn.inference.search import BeamLive, beam_candidates, greedy_candidates, search
 from aiayn.inference.shortlist import Shortlist, Shortlisted
 from aiayn.model import Transformer
@@ -216,3 +216,17 @@ def test_making_a_compiled_decoder_leaves_dynamos_settings_to_the_process(decode
             7,
             False,
         )
+
+
+@pytest.mark.parametrize("row_class", ["few", "many"])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_every_size_export_is_told_of_has_a_bound(row_class, rows):
+    """torch.export needs a finite bound on every dynamic size, the rows (N times the sentences) included:
+    a class of sentences without a most one was refused, at the compile of the many class's beam step,
+    with export's "Expected derived max value of 4*sentences to be <= ..." (no compile needed to see it)."""
+    sentences = _batch(torch.zeros(MANY if row_class == "many" else 2, 5), 0, row_class)
+    cache = _batch(torch.zeros(rows * sentences.size(0), 5), 0, row_class, "rows")
+    dims = [d for shape in _shapes(("step", row_class, rows), (sentences, cache)) for d in shape.values()]
+    least, most = SENTENCES[row_class]
+    assert [(d.min, d.max) for d in dims] == [(least, most), (rows * least, rows * most)]
+    assert most * rows * 64 < torch.iinfo(torch.int64).max  # a row count, times a width, stays an index

@@ -31,7 +31,7 @@ from aiayn.model import attention_maps
 from aiayn.serving.app import STATIC, create_app
 from aiayn.serving.server import listen
 from aiayn.serving.worker import Call
-from aiayn.tokenizer import BOS_ID
+from aiayn.tokenizer import BOS_ID, EOS_ID
 
 INPUTS = ["The small dogs see a red bird.", "A happy child found this key.", "My old horse likes the river."]
 
@@ -333,6 +333,26 @@ def test_a_server_can_hold_readiness_until_its_graphs_are_in(model_dir, translat
         assert c.get("/info").json()["compiled"]["state"] == "done"
 
 
+def test_a_worker_that_fails_is_said_and_the_server_goes_on_eagerly(model_dir):
+    """A compile worker that ends in an error (here: its model, loaded from the directory, is not the
+    server's, whose weights changed after loading) turns the compile's state to "failed" with the worker's
+    own last line in /info, and the server goes on answering, eagerly, with its model's translations."""
+    compiled = Translator.load(model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu", compile=True)
+    with torch.no_grad():
+        compiled.model.tgt_embed.tokens.weight[EOS_ID] *= 2
+    eager = Translator(compiled.model, compiled.tokenizer, SearchConfig(beam_size=4), "fp32")
+    with client_for(compiled, batch_sentences=1, timeout_s=300) as c:
+        deadline = time.monotonic() + 120
+        while (progress := c.get("/info").json()["compiled"])["state"] == "compiling":
+            assert time.monotonic() < deadline, progress
+            time.sleep(0.2)
+        assert progress["state"] == "failed" and progress["ready"] == [], progress
+        assert "worker" in progress["error"] and "another fingerprint" in progress["error"], progress
+        response = c.post("/translate", json={"text": INPUTS})
+        assert response.json()["translations"] == eager.translate(INPUTS)
+        assert c.get("/health").json() == {"status": "ok"}
+
+
 @pytest.mark.parametrize(
     ("flags", "compile"),
     [([], True), (["--no-compile"], False), (["--engine", "ctranslate2"], False), (["--compile"], True)],
@@ -579,7 +599,9 @@ def test_a_stop_during_the_background_compile_ends_server_and_workers_promptly(m
             console.append(line)
             if "graphs to compile" in line:
                 break
-        workers = [pid for pid, parent, cmdline in processes() if parent == server.pid and "warmup" in cmdline]
+        workers = [
+            pid for pid, parent, cmdline in processes() if parent == server.pid and "warmup" in cmdline
+        ]
         assert workers, console
         time.sleep(1.0)  # into the compile of a graph
         start = time.monotonic()
@@ -611,5 +633,7 @@ def processes() -> list[tuple[int, int, str]]:
                 if state == b"Z":
                     continue
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    found.append((int(entry), int(parent), f.read().replace(b"\0", b" ").decode(errors="replace")))
+                    found.append(
+                        (int(entry), int(parent), f.read().replace(b"\0", b" ").decode(errors="replace"))
+                    )
     return found
