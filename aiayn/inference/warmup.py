@@ -293,7 +293,9 @@ class Warmup:
                         self.decoder.classes.add(cls)
             elapsed = time.monotonic() - progress.started
             left = len(progress.graphs) - len(done)
-            estimate = f"; about {elapsed / len(done) * left:.0f} s left" if left else ""
+            # the graphs left, at the mean compile time of those in, shared among the workers
+            mean = sum(g.seconds for g in done) / len(done)  # type: ignore[misc]
+            estimate = f"; about {mean * left / self.workers:.0f} s left" if left else ""
             self.say(f"compiled decoding: graph {len(done)} of {len(progress.graphs)} in ({describe(key)}, "
                      f"{graph.seconds:.0f} s) after {elapsed:.0f} s{estimate}"
                      + (f"; {_opened(progress.ready)}" if progress.ready else ""))  # fmt: skip
