@@ -12,7 +12,7 @@ files, one per class: docs/bench_gemm_cpu.json natively, docs/bench_gemm_cpu_avx
 compiled graph, as it times them: its own C++ template, instantiated for the shape, and the library's
 call (oneDNN's prepacked linear, or ATen's int8 kernels), for each int8 route and fp32, over rows 1 to 128.
 Where the library starts to win is the rule compiled graphs follow instead of timing
-(inference/compiler.py TEMPLATE_ROWS; docs/bench_gemm_inductor_cpu.json natively, ..._avx2.json capped).
+(inference/compiler.py TEMPLATE_ROWS).
 
     python benchmarks/bench_gemm.py --inductor [--rows 1,2,4,8,16,32,64,128] [--isa avx2] [--results FILE]
 """

@@ -6,7 +6,7 @@ Inductor's max_autotune times, for every matrix product of a graph, its own C++ 
 instantiated for the product's shapes) against the library's call (oneDNN, with the weight prepacked)
 and keeps the faster; each timing costs a g++ build of the template, and a graph of `small` has a dozen
 products: about half of what compiling a graph cost, paid again for every number of rows. Which kernel
-wins follows the rows, on every CPU measured (benchmarks/bench_gemm.py --inductor, docs/bench_gemm_cpu*.json):
+wins follows the rows, on every CPU measured (benchmarks/bench_gemm.py --inductor):
 at a few rows the library's fixed cost per call outweighs the arithmetic and inductor's kernel, inlined
 into the graph, is several times faster; at many rows the library's blocking wins. So the kernel is
 chosen by the rows, TEMPLATE_ROWS, and nothing is timed: no decision is made twice, in any graph or
