@@ -7,14 +7,6 @@ deprecated quantize_dynamic).
     python benchmarks/bench_gemm.py [--threads 2] [--rows 1,4,32] [--isa avx2] [--results FILE]
 The last line printed is JSON. The int8 route a CPU class takes (precision.INT8_ROUTES) is read from these
 files, one per class: docs/bench_gemm_cpu.json natively, docs/bench_gemm_cpu_avx2.json capped at AVX2.
-
---inductor measures instead the two kernels inductor's max_autotune chooses between for each product of a
-compiled graph, as it times them: its own C++ template, instantiated for the shape, and the library's
-call (oneDNN's prepacked linear, or ATen's int8 kernels), for each int8 route and fp32, over rows 1 to 128.
-Where the library starts to win is the rule compiled graphs follow instead of timing
-(inference/compiler.py TEMPLATE_ROWS).
-
-    python benchmarks/bench_gemm.py --inductor [--rows 1,2,4,8,16,32,64,128] [--isa avx2] [--results FILE]
 """
 
 from __future__ import annotations
@@ -88,88 +80,16 @@ def qlinear(M: int, K: int, N: int, wq: torch.Tensor, scale: torch.Tensor, b: to
         return float("nan")
 
 
-def inductor_kernels(M: int, K: int, N: int, route: str) -> dict[str, float]:
-    """Microseconds of inductor's template and of the library's call for x (M, K) -> (M, N), as inductor's
-    own autotuning times them (its feedback), compiling an nn.Linear (fp32) or an Int8Linear of one route."""
-    from torch._inductor.select_algorithm import get_algorithm_selector_cache
-
-    from aiayn.precision import Int8Linear
-
-    linear = torch.nn.Linear(K, N)
-    linear.weight.data *= 0.05
-    module = linear if route == "fp32" else Int8Linear(linear, route)
-    timed: dict[str, float] = {}
-
-    def record(timings, name, input_nodes, choices, *rest) -> None:
-        for choice, ms in timings.items():
-            kind = "template" if choice.name.startswith("cpp_") else "library"
-            timed[kind] = min(timed.get(kind, float("inf")), ms)
-
-    selector = get_algorithm_selector_cache()
-    selector.add_feedback_saver(record)
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(module.eval(), options={"max_autotune": True, "freezing": True})
-        with torch.no_grad():
-            compiled(torch.randn(M, 1, K))  # (R, L, K) as a decoding step's: the rows of the route
-    finally:
-        selector.clear_feedback_savers()
-    return {f"{kind}_us": round(ms * 1000, 2) for kind, ms in timed.items()}
-
-
-def main_inductor(args: argparse.Namespace) -> None:
-    torch._inductor.config.autotune_local_cache = False  # time every product anew
-    print(f"machine: {machine()}, {args.threads} threads")
-    rows = []
-    routes = ("fp32", "woq", "w8a8")
-    for M in (int(m) for m in args.rows.split(",")):
-        for K, N in SHAPES:
-            for route in routes:
-                cell = {"rows": M, "in": K, "out": N, "route": route, **inductor_kernels(M, K, N, route)}
-                rows.append(cell)
-                print(json.dumps(cell), flush=True)
-    print()
-    print("| rows | " + " | ".join(f"{r}: library / template" for r in routes) + " |")
-    print("|---:|" + "---:|" * len(routes))
-    for M in dict.fromkeys(c["rows"] for c in rows):
-        ratios = []
-        for route in routes:
-            cells = [
-                c
-                for c in rows
-                if c["rows"] == M and c["route"] == route and "template_us" in c and "library_us" in c
-            ]
-            ratios.append(
-                f"{sum(c['library_us'] for c in cells) / sum(c['template_us'] for c in cells):.2f}"
-                if cells
-                else "-"
-            )
-        print(f"| {M} | " + " | ".join(ratios) + " |")
-    summary = {
-        "benchmark": "gemm_inductor",
-        "machine": machine(),
-        "threads": args.threads,
-        "us_per_call": rows,
-    }
-    print(json.dumps(summary))
-    save_results(args.results, summary)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,4,32")
     ap.add_argument("--isa", choices=sorted(ISA_CAPS), default="native", help="cap at this instruction set")
     ap.add_argument("--results", help="also write the summary to this JSON file")
-    ap.add_argument("--inductor", action="store_true", help="inductor's template against the library's call")
     args = ap.parse_args()
     cap_isa(args.isa)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if args.inductor:
-        if args.rows == "1,4,32":
-            args.rows = "1,2,4,8,16,32,64,128"
-        return main_inductor(args)
     print(f"machine: {machine()}, {args.threads} threads")
     rows = []
     with torch.inference_mode():

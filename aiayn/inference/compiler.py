@@ -6,10 +6,11 @@ Inductor's max_autotune times, for every matrix product of a graph, its own C++ 
 instantiated for the product's shapes) against the library's call (oneDNN, with the weight prepacked)
 and keeps the faster; each timing costs a g++ build of the template, and a graph of `small` has a dozen
 products: about half of what compiling a graph cost, paid again for every number of rows. Which kernel
-wins follows the rows, on every CPU measured (benchmarks/bench_gemm.py --inductor):
-at a few rows the library's fixed cost per call outweighs the arithmetic and inductor's kernel, inlined
-into the graph, is several times faster; at many rows the library's blocking wins. So the kernel is
-chosen by the rows, TEMPLATE_ROWS, and nothing is timed: no decision is made twice, in any graph or
+wins follows the rows, on every CPU measured (inductor's own timings of every product of the decoding
+graphs, `small` and `base`, fp32 and int8, 1 to 128 rows, natively and capped at AVX2): at a few rows
+the library's fixed cost per call outweighs the arithmetic and inductor's kernel, inlined into the
+graph, is several times faster; at many rows the library's blocking wins. So the kernel is chosen by
+the rows, TEMPLATE_ROWS, and nothing is timed: no decision is made twice, in any graph or
 process, because none is made at all.
 """
 
@@ -34,7 +35,7 @@ from aiayn.precision import cpu_class, rows_traced
 # Inductor's own C++ kernel for a matrix product of fewer rows than this, the library's from it: per CPU
 # class (precision.cpu_class) and kind of product, "fp32" (oneDNN's or MKL's prepacked linear) or "woq"
 # (int8 weights, _weight_int8pack_mm: precision.Int8Linear's weight-only route; its integer route has
-# no template, nothing to choose). Measured by benchmarks/bench_gemm.py --inductor.
+# no template, nothing to choose). From inductor's own timings (above), where the library starts to win.
 TEMPLATE_ROWS = MappingProxyType(
     {
         "vnni": MappingProxyType({"fp32": 16, "woq": 8}),

@@ -20,8 +20,9 @@ def test_the_rule_keeps_one_candidate_by_the_rows(kind, rows, chosen):
     """choose(): of a product's candidates, inductor's template below TEMPLATE_ROWS rows of its kind (fp32,
     or int8 weights: _weight_int8pack_mm) and the library's call from there; a product with one kind of
     candidate keeps them all."""
-    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
-    from torch._inductor.select_algorithm import ExternKernelCaller
+    from torch._inductor.select_algorithm import ExternKernelCaller  # first: it imports the one below
+
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller  # isort: skip
 
     class Layout:
         size = [rows, 64]
