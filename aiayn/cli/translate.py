@@ -67,7 +67,7 @@ def compile_ahead(args: argparse.Namespace, translator: Translator, lines: list[
     sharing the cores (Translator.compile_ahead), each graph's line on stderr unless --quiet."""
     if args.compile is not True or translator.compiled is None:
         return
-    config = translator.search_config.with_n_best(getattr(args, "n_best", 1))
+    config = translator.search_config.with_n_best(n_best)
     quiet = getattr(args, "quiet", False)
     translator.compile_ahead(
         translator.tokenizer.encode_src(lines), config, (lambda line: None) if quiet else say

@@ -69,6 +69,32 @@ def share(needs: dict[tuple, set[str]], worker: int, workers: int) -> Callable[[
     return lambda key: position.get(key, 0) % workers == worker
 
 
+def compile_share(
+    translator: Any,
+    searches: list[SearchConfig],
+    sizes: dict[str, int],
+    worker: int,
+    workers: int,
+    send: Callable[[dict], None],
+) -> None:
+    """Worker `worker`'s part of a warm-up, in a worker process or in the translator's own: the plan, sent
+    first, then its share of the graphs, each sent once it is stored."""
+    decoder = translator.compiled
+    needs = plan(translator, searches, sizes)
+    send({"plan": [[list(key), sorted(classes)] for key, classes in needs.items()]})
+    saved = decoder.compiles, decoder.on_compiled, decoder.builds_at_once
+    decoder.compiles = share(needs, worker, workers)
+    decoder.on_compiled = lambda key, path, seconds: send(
+        {"graph": list(key), "path": str(path), "seconds": round(seconds, 1)}
+    )
+    decoder.builds_at_once = workers == 1  # else the other workers use the other cores
+    try:
+        for _, run in warm_up_batches(translator, searches, sizes):
+            run()
+    finally:
+        decoder.compiles, decoder.on_compiled, decoder.builds_at_once = saved
+
+
 @dataclass
 class Graph:
     """A graph of the plan: its key, the classes that need it, and once stored, its seconds."""
@@ -189,23 +215,11 @@ class Warmup:
     def compile_here(self, translator: Any) -> None:
         """Worker 0's share, in this process (here=True), after start(): its graphs go straight into the
         decoder (which is translator's), the others' come as the workers store them."""
-        decoder = self.decoder
-        saved = decoder.compiles, decoder.on_compiled, decoder.builds_at_once
         error = None
         try:
-            needs = plan(translator, self.searches, self.sizes)
-            self._event(0, {"plan": [[list(key), sorted(classes)] for key, classes in needs.items()]})
-            decoder.compiles = share(needs, 0, self.workers)
-            decoder.on_compiled = lambda key, path, seconds: self._event(
-                0, {"graph": list(key), "path": str(path), "seconds": round(seconds, 1)}
-            )
-            decoder.builds_at_once = self.workers == 1
-            for _, run in warm_up_batches(translator, self.searches, self.sizes):
-                run()
+            compile_share(translator, self.searches, self.sizes, 0, self.workers, lambda e: self._event(0, e))
         except Exception as failure:  # as a worker's: said, and the batches that need the graphs compile them
             error = f"{type(failure).__name__}: {failure}"
-        finally:
-            decoder.compiles, decoder.on_compiled, decoder.builds_at_once = saved
         self._finished(0, error)
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -14,7 +14,7 @@ import torch
 from aiayn.config import InferenceOptions, SearchConfig
 from aiayn.inference.compiled import fingerprint
 from aiayn.inference.translate import Translator
-from aiayn.inference.warmup import NICE, plan, share, warm_up_batches
+from aiayn.inference.warmup import NICE, compile_share
 
 
 def work(args: argparse.Namespace) -> None:
@@ -30,17 +30,14 @@ def work(args: argparse.Namespace) -> None:
     assert decoder is not None and decoder.store is not None
     if fingerprint(decoder.model, decoder.options) != args.fingerprint:
         sys.exit("the worker's model is not the server's (another fingerprint): nothing compiled")
-    needs = plan(translator, searches, sizes)
-    events.write(
-        json.dumps({"plan": [[list(key), sorted(classes)] for key, classes in needs.items()]}) + "\n"
+    compile_share(
+        translator,
+        searches,
+        sizes,
+        args.worker,
+        args.workers,
+        lambda event: events.write(json.dumps(event) + "\n"),
     )
-    decoder.compiles = share(needs, args.worker, args.workers)
-    decoder.builds_at_once = args.workers == 1  # else the other workers use the other cores
-    decoder.on_compiled = lambda key, path, seconds: events.write(
-        json.dumps({"graph": list(key), "path": str(path), "seconds": round(seconds, 1)}) + "\n"
-    )
-    for _, run in warm_up_batches(translator, searches, sizes):
-        run()
 
 
 def main(argv: list[str] | None = None) -> None:
