@@ -106,8 +106,9 @@ def run_train(
 
 @pytest.fixture(scope="session")
 def served_model(tmp_path_factory):
-    """A tiny model trained for 60 updates on the synthetic task (outputs end, and depend on the input):
-    what the server and page tests serve."""
+    """A tiny model of one layer a side (its graphs compile in about half the time of two) trained for 60
+    updates on the synthetic task (outputs end, and depend on the input): what the server and page tests
+    serve."""
     from aiayn.config import TrainConfig, preset
     from aiayn.data.corpus import Corpus
     from aiayn.data.synthetic import generate
@@ -116,7 +117,7 @@ def served_model(tmp_path_factory):
     src, tgt = generate(400, seed=21)
     out = tmp_path_factory.mktemp("served") / "model"
     tokenizer = Tokenizer.train(src, tgt, vocab_size=400)
-    config = preset("tiny", vocab_size=tokenizer.src_vocab_size)
+    config = preset("tiny", vocab_size=tokenizer.src_vocab_size, n_encoder_layers=1, n_decoder_layers=1)
     cfg = TrainConfig(max_updates=60, max_tokens=800, warmup_steps=20, lr_scale=2.0, dtype="fp32")
     run_train(out, config, cfg, tokenizer, Corpus(src, tgt))
     return out
@@ -159,10 +160,12 @@ def free_port() -> int:
 EOS_HEAVY_V = 60  # the eos_heavy_model's vocabulary
 
 
-def eos_heavy_model() -> Transformer:
-    """A random tiny model whose EOS embedding is doubled: its outputs end after 0 to 29 tokens."""
+def eos_heavy_model(layers: int = 1) -> Transformer:
+    """A random tiny model whose EOS embedding is doubled: its outputs end after 0 to 29 tokens. One layer a
+    side unless told (the compiling tests': a graph of one compiles in about half the time of two)."""
     torch.manual_seed(0)
-    model = Transformer(preset("tiny", vocab_size=EOS_HEAVY_V)).eval()
+    config = preset("tiny", vocab_size=EOS_HEAVY_V, n_encoder_layers=layers, n_decoder_layers=layers)
+    model = Transformer(config).eval()
     with torch.no_grad():
         model.tgt_embed.tokens.weight[EOS_ID] *= 2
     return model

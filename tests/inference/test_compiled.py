@@ -6,7 +6,7 @@ import torch
 from conftest import EOS_HEAVY_V as V
 from conftest import eos_heavy_model, fused_attention_calls, sources
 
-from aiayn.config import SearchConfig, preset
+from aiayn.config import SearchConfig
 from aiayn.inference.compiled import MANY, SENTENCES, CompiledDecoder, _batch, _shapes
 from aiayn.inference.search import BeamLive, beam_candidates, greedy_candidates, search
 from aiayn.inference.shortlist import Shortlist, Shortlisted
@@ -167,7 +167,7 @@ def test_two_decoders_keep_their_own_weights(decoders):
     its own model's weights (frozen in as constants), so each gives its own eager tokens."""
     model, compiled = decoders
     torch.manual_seed(1)
-    other = Transformer(preset("tiny", vocab_size=V)).eval()
+    other = Transformer(model.config).eval()
     with torch.no_grad():
         other.tgt_embed.tokens.weight[EOS_ID] *= 2
     second = CompiledDecoder(other, max_autotune=False)

@@ -16,7 +16,7 @@ from conftest import EOS_HEAVY_V as V
 from conftest import eos_heavy_model, fill, fused_attention_calls, sources
 from torch._dynamo.utils import counters
 
-from aiayn.config import SearchConfig, preset
+from aiayn.config import SearchConfig
 from aiayn.inference.compiled import TRACED_CODE, CompiledDecoder, fingerprint
 from aiayn.inference.search import search
 from aiayn.model import Transformer
@@ -27,15 +27,20 @@ def model():
     return eos_heavy_model()
 
 
-def check(model, decoder, width: int) -> None:
-    """Greedy over 3 sentences and beam 4 over 1 with decoder: eager's hypotheses. 3 rows and 4, a few
-    sentences and one: each its own memory and step graphs. (One sentence, so one beam graph: each package
-    costs the suite seconds of C++ compiling.)"""
-    for batch, beam in ((3, 1), (1, 4)):
-        src = sources(batch, width, seed=batch + width)
-        config = SearchConfig(beam_size=beam, n_best=beam, max_len_b=20)
-        want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
-        assert [[h.tokens for h in hyps] for hyps in search(decoder, src, config)] == want
+def greedy(decoder, width: int = 9, seed: int = 12) -> tuple[list, list]:
+    """Greedy over 3 sentences with decoder: its hypotheses' tokens and scores. The memory and step graphs
+    of a few sentences (the sentences and the source length dynamic in them), and greedy's own work for
+    more than one live sentence and for one (the sentences end at different steps): four packages, each
+    costing the suite seconds of C++ compiling."""
+    config = SearchConfig(beam_size=1, max_len_b=20)
+    hyps = search(decoder, sources(3, width, seed=seed), config)
+    return [[h.tokens for h in hs] for hs in hyps], [[h.score for h in hs] for hs in hyps]
+
+
+def assert_same(got: tuple[list, list], want: tuple[list, list]) -> None:
+    """The same tokens, and scores within rounding."""
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,7 @@ def compiled(model, tmp_path_factory):
     counters.clear()
     with torch._inductor.config.patch(autotune_local_cache=False):
         first = CompiledDecoder(model, store=store)
-        check(model, first, 9)
+        assert_same(greedy(first), greedy(model))
     assert first.compile_seconds > 0
     return store, counters["inductor"]["select_algorithm_autotune"]
 
@@ -69,12 +74,12 @@ def test_each_product_takes_the_kernel_of_its_rows_and_none_is_timed(compiled):
     """max_autotune (the default on a CPU) chooses between inductor's own GEMM kernel and the library's
     (oneDNN's linear) for every matrix product: by rule (compiler.TEMPLATE_ROWS), timing none, so that
     no decision is made twice, in any graph or process (test_two_processes_... below: another process
-    times none either). One sentence's step, 4 rows, runs inductor's kernels, inlined; a few sentences'
+    times none either). A few sentences' step, traced for 4 rows, runs inductor's kernels, inlined; their
     memory, B x S rows, the library's."""
     store, timed = compiled
     assert timed == 0
-    one = package_code(next(store.glob("step-one-*.pt2")))
-    assert "micro_gemm" in one and "_linear_pointwise" not in one
+    step = package_code(next(store.glob("step-few-*.pt2")))
+    assert "micro_gemm" in step and "_linear_pointwise" not in step
     batch = package_code(next(store.glob("memory-few-*.pt2")))
     assert "_linear_pointwise" in batch and "micro_gemm" not in batch
 
@@ -83,17 +88,15 @@ def test_a_store_serves_a_later_decoder_without_compiling(model, store):
     """Graphs exported to a store (AOTInductor packages) give eager's hypotheses (the store fixture), and a
     decoder made later over a fresh copy of the model (a second process, as far as it can tell) loads
     them instead of compiling: the cached second run of `--compile`."""
-    # memory (the encoder and the cross keys/values) and step, for a few sentences and for one; beam
-    # search's own work for 1, greedy search's for 3 and fewer live sentences and for 1
-    assert (
-        sorted(p.name.split("-")[0] for p in store.glob("*.pt2"))
-        == ["beam"] + ["greedy"] * 2 + ["memory"] * 2 + ["step"] * 2
-    )
-    copy = Transformer(preset("tiny", vocab_size=V)).eval()
+    # memory (the encoder and the cross keys/values) and step for a few sentences; greedy search's own
+    # work for 3 and fewer live sentences and for 1
+    assert sorted("-".join(p.name.split("-")[:2]) for p in store.glob("*.pt2")) == [
+        "greedy-1", "greedy-2", "memory-few", "step-few"]  # fmt: skip
+    copy = Transformer(model.config).eval()
     copy.load_state_dict(model.state_dict())
     later = CompiledDecoder(copy, store=store)
-    for width in (9, 15):  # the source length is dynamic in the packages too
-        check(copy, later, width)
+    for width, seed in ((9, 12), (15, 3), (4, 5)):  # other sources, lengths and live sentences
+        assert_same(greedy(later, width, seed), greedy(copy, width, seed))
     assert later.compile_seconds == 0.0 and later.load_seconds > 0
     # the packages compute attention as its arithmetic too (test_on_a_cpu_compiled_graphs_write_attention_out)
     assert fused_attention_calls(later, sources(3, 9, seed=1), SearchConfig(beam_size=1, max_len_b=8)) == 0
@@ -113,19 +116,6 @@ DAMAGES = {
 }
 
 
-def beam_search(decoder) -> tuple[list, list]:
-    """Beam 4 over 1 sentence (check's second search) with decoder: its hypotheses' tokens and scores."""
-    config = SearchConfig(beam_size=4, n_best=4, max_len_b=20)
-    hyps = search(decoder, sources(1, 9, seed=10), config)
-    return [[h.tokens for h in hs] for hs in hyps], [[h.score for h in hs] for hs in hyps]
-
-
-def assert_same(got: tuple[list, list], want: tuple[list, list]) -> None:
-    """The same tokens, and scores within rounding."""
-    assert got[0] == want[0]
-    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=0)
-
-
 @pytest.mark.parametrize("damage", ["truncated", "corrupted", "foreign"])
 def test_a_damaged_package_is_compiled_again_with_one_line_saying_so(model, store, tmp_path, capsys, damage):
     """A store file that is not a whole package of its graph (truncated, bits flipped, another graph's) is
@@ -133,41 +123,41 @@ def test_a_damaged_package_is_compiled_again_with_one_line_saying_so(model, stor
     with one line on stderr naming it, and the search gives eager's hypotheses; a decoder made later loads
     the new file without compiling. (PyTorch's loader raises a RuntimeError on a truncated file, runs
     another graph's package on inputs it was not compiled for, and checks no checksum of the library it
-    loads: flipped bytes there crash the process or go unnoticed. Beam search's own work is the graph
-    damaged: the smallest to compile again.)"""
+    loads: flipped bytes there crash the process or go unnoticed. Greedy search's own work for one live
+    sentence is the graph damaged: the smallest to compile again.)"""
     damaged = shutil.copytree(store, tmp_path / "store")
-    (target,) = damaged.glob("beam-*.pt2")
-    (other,) = damaged.glob("greedy-1-*.pt2")
+    (target,) = damaged.glob("greedy-1-*.pt2")
+    (other,) = damaged.glob("greedy-2-*.pt2")
     target.write_bytes(DAMAGES[damage](target.read_bytes(), other.read_bytes()))
     files = {p.name: p.stat().st_ino for p in damaged.iterdir()}
     capsys.readouterr()
     decoder = CompiledDecoder(model, store=damaged)
-    assert_same(beam_search(decoder), beam_search(model))
+    assert_same(greedy(decoder), greedy(model))
     assert decoder.compile_seconds > 0
     assert {p.name: p.stat().st_ino for p in damaged.iterdir()}.keys() == files.keys()  # nothing left beside
     assert [name for name, ino in files.items() if (damaged / name).stat().st_ino != ino] == [target.name]
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"aiayn: {target}: ") and "compiling it again" in lines[0]
     later = CompiledDecoder(model, store=damaged)
-    assert_same(beam_search(later), beam_search(model))
+    assert_same(greedy(later), greedy(model))
     assert later.compile_seconds == 0.0 and capsys.readouterr().err == ""
 
 
-# One process of test_two_processes_compiling_one_graph_into_a_store_at_once: the tiny model from a weights
-# file, a decoder over the store, and (once the other process is as far) a beam search, printed as JSON
+# One process of test_two_processes_compiling_one_graph_into_a_store_at_once: the model from its config and
+# weights file, a decoder over the store, and (once the other process is as far) a greedy search, printed as JSON
 # with the choices inductor timed (none found in its cache: it is not read).
 COMPILE_IN_A_PROCESS = """
 import json, sys, time
 from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
-from aiayn.config import SearchConfig, preset
+from aiayn.config import ModelConfig, SearchConfig, from_dict
 from aiayn.inference.compiled import CompiledDecoder
 from aiayn.inference.search import search
 from aiayn.model import Transformer
 torch.set_num_threads(1)
-weights, store, ready, me, src, vocab_size = sys.argv[1:]
-model = Transformer(preset("tiny", vocab_size=int(vocab_size))).eval()
+weights, store, ready, me, src, config = sys.argv[1:]
+model = Transformer(from_dict(ModelConfig, json.loads(config))).eval()
 model.load_state_dict(torch.load(weights))
 torch._inductor.config.autotune_local_cache = False
 decoder = CompiledDecoder(model, store=store)
@@ -177,7 +167,7 @@ while len(list(Path(ready).iterdir())) < 2:
     if time.monotonic() > deadline:
         sys.exit("the other process never came")
     time.sleep(0.01)
-hyps = search(decoder, torch.tensor(json.loads(src)), SearchConfig(beam_size=4, n_best=4, max_len_b=20))
+hyps = search(decoder, torch.tensor(json.loads(src)), SearchConfig(beam_size=1, max_len_b=20))
 print(json.dumps({"tokens": [[h.tokens for h in hs] for hs in hyps], "scores": [[h.score for h in hs] for hs in hyps],
                   "compiled": decoder.compile_seconds > 0, "timed": counters["inductor"]["select_algorithm_autotune"]}))
 """
@@ -190,20 +180,23 @@ def test_two_processes_compiling_one_graph_into_a_store_at_once(model, store, tm
     times a kernel (the graph's products choose theirs by rule), nor prints inductor's tables or
     warnings."""
     shared = shutil.copytree(store, tmp_path / "store")
-    (shared / next(store.glob("step-one-*.pt2")).name).unlink()  # the graph both compile
+    (shared / next(store.glob("step-few-*.pt2")).name).unlink()  # the graph both compile
     weights, ready = tmp_path / "weights.pt", tmp_path / "ready"
     torch.save(model.state_dict(), weights)
     ready.mkdir()
-    src = json.dumps(sources(1, 9, seed=10).tolist())
+    src = json.dumps(sources(3, 9, seed=12).tolist())
     argv = [sys.executable, "-c", COMPILE_IN_A_PROCESS, weights, shared, ready]
     processes = [
         subprocess.Popen(
-            [*argv, str(i), src, str(V)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [*argv, str(i), src, json.dumps(dataclasses.asdict(model.config))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(2)
     ]
     results = [process.communicate(timeout=300) for process in processes]
-    want = beam_search(model)
+    want = greedy(model)
     for process, (out, err) in zip(processes, results):
         assert process.returncode == 0, err
         result = json.loads(out)
@@ -215,7 +208,7 @@ def test_two_processes_compiling_one_graph_into_a_store_at_once(model, store, tm
         with zipfile.ZipFile(package) as archive:
             assert archive.testzip() is None
     later = CompiledDecoder(model, store=shared)
-    assert_same(beam_search(later), want)
+    assert_same(greedy(later), want)
     assert later.compile_seconds == 0.0
 
 
@@ -227,7 +220,7 @@ def test_a_package_is_named_for_the_weights_options_and_code_it_was_compiled_wit
     compile options, or other code (an aiayn upgraded or edited in place) must never load a package
     compiled for these."""
     options = {"max_autotune": False}
-    copy = Transformer(preset("tiny", vocab_size=V)).eval()
+    copy = Transformer(model.config).eval()
     copy.load_state_dict(model.state_dict())
     assert fingerprint(copy, options) == fingerprint(model, options)
     assert fingerprint(model, {"max_autotune": True}) != fingerprint(model, options)

@@ -25,7 +25,9 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def model(tokenizer) -> Transformer:
     torch.manual_seed(0)
-    config = preset("tiny", vocab_size=tokenizer.src_vocab_size, d_model=32, d_ff=64, dropout=0.1)
+    # one layer a side: the compiling test's graphs compile in about half the time of two layers
+    config = preset("tiny", vocab_size=tokenizer.src_vocab_size, d_model=32, d_ff=64, dropout=0.1,
+                    n_encoder_layers=1, n_decoder_layers=1)  # fmt: skip
     return Transformer(config).eval()
 
 

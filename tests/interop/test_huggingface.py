@@ -141,9 +141,10 @@ def test_marians_sinusoids_are_aiayns_with_the_residual_features_permuted():
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(model directory, its transformers export, aiayn's Translator, the transformers model, tokenizer):
-    the eos_heavy_model, whose outputs end after 0 to 29 tokens, with a word vocabulary."""
+    the eos_heavy_model of two layers a side (which takes both its stacks' loops through the export),
+    whose outputs end after 0 to 29 tokens, with a word vocabulary."""
     root = tmp_path_factory.mktemp("hf")
-    save_model(root / "model", eos_heavy_model(), word_tokenizer(EOS_HEAVY_V, EOS_HEAVY_V))
+    save_model(root / "model", eos_heavy_model(layers=2), word_tokenizer(EOS_HEAVY_V, EOS_HEAVY_V))
     export_transformers(root / "model", root / "hf")
     out = root / "hf"
     ours = Translator.load(root / "model", dtype="fp32", device="cpu")
