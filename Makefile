@@ -16,9 +16,11 @@ TORCH   := torch==2.13.0
 demo: .venv/.installed-plots
 	.venv/bin/aiayn demo --out runs/demo
 
-# A worker per core (-n auto), a test file to a worker (its module fixtures, compiled graphs included, made once).
+# A worker per core (-n auto), a test file to a worker (its module fixtures, compiled graphs included, made
+# once), the files in the order tests/conftest.py gives them (xdist would reorder them by their number of
+# tests, which sends the longest files, a few slow tests each, last: one worker ran on alone for minutes).
 test: .venv/.installed-dev
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 bench: .venv/.installed-bench
 	$(PY) benchmarks/bench_train.py

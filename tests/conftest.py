@@ -26,12 +26,16 @@ torch.set_num_threads(1)
 # Files that take longest (compiling graphs, starting processes), scheduled first: `make test` gives each
 # of its workers a file at a time, and a long file started last would run on alone at the end.
 LONGEST_FIRST = (
-    "inference/test_compiled.py",
     "inference/test_compiled_store.py",
-    "inference/test_translate.py",
-    "serving/test_server.py",
+    "inference/test_compiled.py",
     "training/test_distributed.py",
+    "serving/test_server.py",
+    "test_faults.py",
+    "inference/test_translate.py",
     "training/test_demo.py",
+    "interop/test_keras_model.py",
+    "interop/test_ctranslate2.py",
+    "interop/test_huggingface.py",
 )
 
 
