@@ -44,6 +44,12 @@ class ModelConfig:
     positions: Literal["sinusoidal", "learned"] = "sinusoidal"  # §3.5
     share_embeddings: bool = True  # §3.4: source, target and pre-softmax share one matrix
     tie_output: bool = True  # §3.4: target embedding == pre-softmax projection
+    # §3.3's ReLU, max(0, x); swish (SiLU, x * sigmoid(x)) and gelu (x * Phi(x), with erf) are deviations
+    # that imported models need (OPUS-MT's Marian models use swish)
+    activation: Literal["relu", "swish", "gelu"] = "relu"
+    output_bias: bool = (
+        False  # a bias on the pre-softmax projection: not the paper's; Marian's final_logits_bias
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -83,6 +89,7 @@ class ModelConfig:
         layers = self.n_encoder_layers * (attention + ffn + 2 * norm)
         layers += self.n_decoder_layers * (2 * attention + ffn + 3 * norm)
         embeddings = self.tgt_vocab_size * D * (1 if self.tie_output else 2)
+        embeddings += self.tgt_vocab_size if self.output_bias else 0
         if not self.share_embeddings:
             embeddings += self.src_vocab_size * D
         if self.positions == "learned":

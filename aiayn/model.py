@@ -128,16 +128,22 @@ def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -
 # --- §3.3 Position-wise feed-forward ---------------------------------------------------------------
 
 
+# The paper's max(0, x), and the deviations an imported model may name (config.activation)
+ACTIVATIONS = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}
+
+
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position separately."""
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position separately (another activation
+    than max(0, .) where the config names one)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.w_1 = nn.Linear(config.d_model, config.d_ff)
         self.w_2 = nn.Linear(config.d_ff, config.d_model)
+        self.activation = ACTIVATIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_2(F.relu(self.w_1(x)))  # (B, L, F) -> (B, L, D)
+        return self.w_2(self.activation(self.w_1(x)))  # (B, L, F) -> (B, L, D)
 
 
 # --- §3.4 Embeddings and §3.5 positional encoding ------------------------------------------------
@@ -390,7 +396,8 @@ class Transformer(nn.Module):
         pre = config.norm == "pre"
         self.encoder_norm = nn.LayerNorm(config.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(config.d_model) if pre else nn.Identity()
-        self.generator = nn.Linear(config.d_model, config.tgt_vocab_size, bias=False)  # pre-softmax
+        # pre-softmax; a bias only where the config asks for one (an imported model's)
+        self.generator = nn.Linear(config.d_model, config.tgt_vocab_size, bias=config.output_bias)
         self.reset_parameters()
         if config.tie_output:  # §3.4: the same weight matrix as the target embedding
             self.generator.weight = self.tgt_embed.tokens.weight
@@ -480,6 +487,8 @@ class Transformer(nn.Module):
             return self.generator(y)  # (R, L, V) or (n, V)
         # a shortlist: logits of its tokens only; the others get -inf, probability 0 after the softmax
         short = F.linear(y, cache.output)  # (R, L, V')
+        if self.generator.bias is not None:
+            short = short + self.generator.bias[cache.vocabulary]
         logits = short.new_full((*short.shape[:-1], self.config.tgt_vocab_size), float("-inf"))  # (R, L, V)
         return logits.index_copy_(-1, cache.vocabulary, short)  # (R, L, V)
 

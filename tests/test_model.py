@@ -12,7 +12,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import preset
-from aiayn.model import Dropout, MultiHeadAttention, RecordedAttention, Transformer, attention_maps, sinusoids
+from aiayn.model import (
+    Dropout,
+    FeedForward,
+    MultiHeadAttention,
+    RecordedAttention,
+    Transformer,
+    attention_maps,
+    sinusoids,
+)
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 V = 16  # vocabulary of the tiny models; ids 0-3 are special, 4..V-1 are words
@@ -722,3 +730,35 @@ def test_xavier_uniform_linear_weights_zero_biases_zero_pad_row():
         if isinstance(m, nn.LayerNorm):
             assert (m.weight == 1).all() and (m.bias == 0).all()
     assert tiny().tgt_embed.tokens.weight[PAD_ID].abs().max() == 0  # also when shared (and tied)
+
+
+@pytest.mark.parametrize(
+    ("activation", "formula"),
+    [
+        ("relu", lambda h: h.clamp(min=0)),  # §3.3: max(0, x W_1 + b_1)
+        ("swish", lambda h: h / (1 + torch.exp(-h))),  # x sigmoid(x), OPUS-MT's
+        ("gelu", lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))),  # x Phi(x), exact
+    ],
+)
+def test_the_feed_forward_applies_the_activation_the_config_names(activation, formula):
+    torch.manual_seed(0)
+    ffn = FeedForward(preset("tiny", vocab_size=10, activation=activation))
+    x = 2 * torch.randn(2, 3, 64)
+    hidden = x @ ffn.w_1.weight.T + ffn.w_1.bias
+    want = formula(hidden) @ ffn.w_2.weight.T + ffn.w_2.bias
+    torch.testing.assert_close(ffn(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_an_output_bias_adds_to_every_logit_of_the_tied_projection():
+    """output_bias (an imported model's final_logits_bias): the logits of the same weights without it, plus
+    the bias; the projection stays tied to the target embedding, and the bias is a parameter counted once."""
+    torch.manual_seed(0)
+    biased = Transformer(preset("tiny", vocab_size=30, output_bias=True)).eval()
+    nn.init.normal_(biased.generator.bias)
+    plain = Transformer(preset("tiny", vocab_size=30)).eval()
+    plain.load_state_dict({k: v for k, v in biased.state_dict().items() if k != "generator.bias"})
+    src, tgt_in = torch.randint(4, 30, (2, 5)), torch.randint(4, 30, (2, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(biased(src, tgt_in), plain(src, tgt_in) + biased.generator.bias)
+    assert biased.generator.weight is biased.tgt_embed.tokens.weight
+    assert biased.num_parameters() == plain.num_parameters() + 30 == biased.config.num_parameters()

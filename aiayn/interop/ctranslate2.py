@@ -27,6 +27,14 @@ LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses; CTranslate
 # --- Weights onto the spec --------------------------------------------------------------------------
 
 
+# aiayn's activations as CTranslate2 names them: its GELU is the exact (erf) one, SWISH is SiLU
+CT2_ACTIVATIONS = {
+    "relu": common_spec.Activation.RELU,
+    "swish": common_spec.Activation.SWISH,
+    "gelu": common_spec.Activation.GELU,
+}
+
+
 def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer) -> transformer_spec.TransformerSpec:
     """A CTranslate2 TransformerSpec holding the model's weights, vocabularies and special tokens.
 
@@ -39,7 +47,7 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer) -> transformer_sp
         (config.n_encoder_layers, config.n_decoder_layers),
         config.n_heads,
         pre_norm=config.norm == "pre",  # post-norm: LayerNorm after each residual, no final norm
-        activation=common_spec.Activation.RELU,  # §3.3
+        activation=CT2_ACTIVATIONS[config.activation],  # §3.3's ReLU unless the model names another
     )
     table_rows = config.max_positions
     encoder, decoder = spec.encoder, spec.decoder
@@ -58,7 +66,9 @@ def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer) -> transformer_sp
     if config.norm == "pre":
         _layer_norm(encoder.layer_norm, model.encoder_norm)
         _layer_norm(decoder.layer_norm, model.decoder_norm)
-    decoder.projection.weight = _tensor(model.generator.weight)  # (V_tgt, D); tied: the embedding, no bias
+    decoder.projection.weight = _tensor(model.generator.weight)  # (V_tgt, D); tied: the embedding
+    if model.generator.bias is not None:  # an imported model's output bias
+        decoder.projection.bias = _tensor(model.generator.bias)
 
     spec.config.layer_norm_epsilon = LAYER_NORM_EPS
     spec.config.unk_token = SPECIAL_TOKENS[UNK_ID]

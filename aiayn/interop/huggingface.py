@@ -44,6 +44,8 @@ from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, Toke
 AIAYN_CONFIG = EXPORT_CONFIG  # our ModelConfig, beside transformers' config.json
 TARGET_TOKENIZER = "target_tokenizer"  # two vocabularies: the target's tokenizer, which decodes outputs
 CHECK_TOLERANCE = 1e-4  # the exported model's logits against aiayn's, checked before anything is written
+# aiayn's activations under transformers' names (ACT2FN): swish is SiLU, gelu the exact (erf) one
+HF_ACTIVATIONS = {"relu": "relu", "swish": "swish", "gelu": "gelu"}
 
 
 def model_type(config: ModelConfig) -> str:
@@ -93,7 +95,7 @@ def hf_config(config: ModelConfig):
         decoder_ffn_dim=config.d_ff,
         encoder_attention_heads=config.n_heads,
         decoder_attention_heads=config.n_heads,
-        activation_function="relu",  # §3.3
+        activation_function=HF_ACTIVATIONS[config.activation],  # §3.3's relu unless the model names another
         scale_embedding=True,  # §3.4: embeddings * sqrt(d_model)
         max_position_embeddings=config.max_positions,
         dropout=config.dropout,
@@ -183,7 +185,9 @@ def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
     if config.share_embeddings:
         weights["model.shared.weight"] = model.tgt_embed.tokens.weight[:, P]
     weights["lm_head.weight"] = padded(model.generator.weight[:, P])  # the target embedding when tied
-    bias = torch.zeros(1, V)  # aiayn's output layer has no bias
+    bias = torch.zeros(1, V)  # aiayn's output layer has no bias unless the config gives it one
+    if model.generator.bias is not None:
+        bias[0, : config.tgt_vocab_size] = model.generator.bias
     bias[:, config.tgt_vocab_size :] = float("-inf")  # ids past the target vocabulary: never chosen
     weights["final_logits_bias"] = bias
     if config.positions == "learned":  # Blenderbot stores its table (positions from 0, as aiayn's)

@@ -122,21 +122,52 @@ class CrossAttention(MultiHeadAttention):
 # --- §3.3 Position-wise feed-forward ---------------------------------------------------------------
 
 
+# aiayn's activations (ModelConfig.activation): Keras's gelu defaults to the tanh approximation, aiayn's
+# (PyTorch's) is the exact one
+ACTIVATIONS = {"relu": ops.relu, "swish": ops.silu, "gelu": lambda x: ops.gelu(x, approximate=False)}
+
+
 @serializable
 class FeedForward(keras.layers.Layer):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position separately."""
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position separately (another activation
+    than max(0, .) where the model names one)."""
 
-    def __init__(self, d_model: int, d_ff: int, **kwargs):
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu", **kwargs):
         super().__init__(**kwargs)
-        self.d_model, self.d_ff = d_model, d_ff
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+        self.d_model, self.d_ff, self.activation = d_model, d_ff, activation
         self.w_1 = keras.layers.Dense(d_ff, name="w_1")
         self.w_2 = keras.layers.Dense(d_model, name="w_2")
 
     def call(self, x):
-        return self.w_2(ops.relu(self.w_1(x)))  # (B, L, F) -> (B, L, D)
+        return self.w_2(ACTIVATIONS[self.activation](self.w_1(x)))  # (B, L, F) -> (B, L, D)
 
     def get_config(self):
-        return {**super().get_config(), "d_model": self.d_model, "d_ff": self.d_ff}
+        return {
+            **super().get_config(),
+            "d_model": self.d_model,
+            "d_ff": self.d_ff,
+            "activation": self.activation,
+        }
+
+
+@serializable
+class OutputBias(keras.layers.Layer):
+    """A bias added to the logits (B, T, V): an imported model's (ModelConfig.output_bias), tied or not."""
+
+    def __init__(self, vocab_size: int, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size = vocab_size
+
+    def build(self, input_shape=None):
+        self.bias = self.add_weight(shape=(self.vocab_size,), initializer="zeros", name="bias")
+
+    def call(self, logits):
+        return logits + self.bias
+
+    def get_config(self):
+        return {**super().get_config(), "vocab_size": self.vocab_size}
 
 
 # --- §3.4 Embeddings and §3.5 positional encoding ------------------------------------------------
@@ -262,15 +293,15 @@ class _Sublayers(keras.layers.Layer):
     """What an encoder and a decoder layer share: their sizes, dropout and the norm option."""
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.1,
-                 attention_dropout: float = 0.0, norm: str = "post", **kwargs):  # fmt: skip
+                 attention_dropout: float = 0.0, norm: str = "post", activation: str = "relu", **kwargs):  # fmt: skip
         super().__init__(**kwargs)
         if norm not in ("post", "pre"):
             raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}")
         self.sizes = dict(d_model=d_model, n_heads=n_heads, attention_dropout=attention_dropout)
-        self.d_ff, self.rate, self.norm = d_ff, dropout, norm
+        self.d_ff, self.rate, self.norm, self.activation = d_ff, dropout, norm, activation
         self.pre_norm = norm == "pre"
         self.self_attn = SelfAttention(**self.sizes, name="self_attn")
-        self.feed_forward = FeedForward(d_model, d_ff, name="feed_forward")
+        self.feed_forward = FeedForward(d_model, d_ff, activation, name="feed_forward")
         self.self_attn_norm = _layer_norm("self_attn_norm")
         self.feed_forward_norm = _layer_norm("feed_forward_norm")
         self.dropout = keras.layers.Dropout(dropout)
@@ -282,6 +313,7 @@ class _Sublayers(keras.layers.Layer):
             "d_ff": self.d_ff,
             "dropout": self.rate,
             "norm": self.norm,
+            "activation": self.activation,
         }
 
 
@@ -335,6 +367,7 @@ class Parts:
     encoder_norm: keras.layers.LayerNormalization | None  # pre-norm stacks end in one; post-norm: None
     decoder_norm: keras.layers.LayerNormalization | None
     generator: keras.layers.Dense | None  # None: tied to the target embedding (§3.4)
+    output_bias: OutputBias | None  # an imported model's bias on the logits; None: none (the paper's)
 
     @classmethod
     def of(cls, model: keras.Model) -> Parts:
@@ -345,7 +378,7 @@ class Parts:
             names["src_mask"], names["causal_mask"], names.get("src_embed", names["tgt_embed"]),
             names["tgt_embed"], tuple(names[f"encoder_{i}"] for i in range(n_enc)),
             tuple(names[f"decoder_{i}"] for i in range(n_dec)), names.get("encoder_norm"),
-            names.get("decoder_norm"), names.get("generator"),
+            names.get("decoder_norm"), names.get("generator"), names.get("output_bias"),
         )  # fmt: skip
 
     def encode(self, src):
@@ -364,14 +397,15 @@ class Parts:
             y = layer(y, memory, src_mask, causal)  # (B, T, D)
         if self.decoder_norm is not None:
             y = self.decoder_norm(y)
-        return self.tgt_embed(y, mode="logits") if self.generator is None else self.generator(y)
+        logits = self.tgt_embed(y, mode="logits") if self.generator is None else self.generator(y)
+        return logits if self.output_bias is None else self.output_bias(logits)
 
 
 def transformer(
     *, src_vocab_size: int, tgt_vocab_size: int, d_model: int = 512, d_ff: int = 2048, n_heads: int = 8,
     n_encoder_layers: int = 6, n_decoder_layers: int = 6, dropout: float = 0.1, attention_dropout: float = 0.0,
     max_positions: int = 1024, norm: str = "post", positions: str = "sinusoidal", share_embeddings: bool = True,
-    tie_output: bool = True, pad_id: int = PAD_ID,
+    tie_output: bool = True, activation: str = "relu", output_bias: bool = False, pad_id: int = PAD_ID,
 ) -> keras.Model:  # fmt: skip
     """Encoder-decoder Transformer (Figure 1) as a functional model: inputs `src` (B, S) and `tgt_in`
     (B, T) token ids (BOS first), output logits (B, T, V). The arguments are aiayn's ModelConfig fields
@@ -383,7 +417,7 @@ def transformer(
     embed = dict(d_model=d_model, max_positions=max_positions, positions=positions, dropout=dropout)
     tgt_embed = Embedding(tgt_vocab_size, **embed, name="tgt_embed")
     sizes = dict(d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout,
-                 attention_dropout=attention_dropout, norm=norm)  # fmt: skip
+                 attention_dropout=attention_dropout, norm=norm, activation=activation)  # fmt: skip
     pre = norm == "pre"
     parts = Parts(
         src_mask=PaddingMask(pad_id, name="src_mask"),
@@ -397,6 +431,7 @@ def transformer(
         generator=None
         if tie_output
         else keras.layers.Dense(tgt_vocab_size, use_bias=False, name="generator"),
+        output_bias=OutputBias(tgt_vocab_size, name="output_bias") if output_bias else None,
     )
     src = keras.Input(shape=(None,), dtype="int32", name="src")  # (B, S)
     tgt_in = keras.Input(shape=(None,), dtype="int32", name="tgt_in")  # (B, T)
@@ -507,6 +542,8 @@ def load_aiayn_weights(model: keras.Model, state: Mapping[str, np.ndarray]) -> N
         layer_norm(parts.decoder_norm, "decoder_norm")
     if parts.generator is not None:  # tied: the target embedding, already written
         put(parts.generator.kernel, "generator.weight", transpose=True)  # (V, D) -> (D, V)
+    if parts.output_bias is not None:
+        put(parts.output_bias.bias, "generator.bias")
     unset = [v.path for v in model.weights if id(v) not in written]
     if unset:
         raise ValueError(f"no aiayn weight for {', '.join(unset)}")

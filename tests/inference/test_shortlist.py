@@ -72,9 +72,13 @@ def test_vmap_file_round_trips_and_names_a_bad_line(tokenizer, tmp_path):
         Shortlist.load(tmp_path / "bad.txt", tokenizer)
 
 
-def test_decoding_with_a_shortlist_gives_the_candidates_the_full_logits_and_the_others_none():
+@pytest.mark.parametrize("output_bias", [False, True], ids=["no bias", "output bias"])
+def test_decoding_with_a_shortlist_gives_the_candidates_the_full_logits_and_the_others_none(output_bias):
+    """The candidates' logits are the full projection's, an imported model's output bias included."""
     torch.manual_seed(0)
-    model = Transformer(preset("tiny", vocab_size=50)).eval()
+    model = Transformer(preset("tiny", vocab_size=50, output_bias=output_bias)).eval()
+    if output_bias:
+        torch.nn.init.normal_(model.generator.bias, std=3.0)
     src = torch.randint(4, 50, (2, 6))
     vocabulary = torch.tensor([1, 2, 3, 7, 9, 30])
     with torch.no_grad():

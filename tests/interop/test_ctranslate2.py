@@ -138,10 +138,11 @@ V_SRC, V_TGT = generate(200, seed=3)
 
 
 @pytest.mark.parametrize(
-    "norm, joint, positions",
-    [("pre", True, "sinusoidal"), ("post", False, "learned"), ("pre", False, "sinusoidal")],
-)
-def test_variants_score_like_aiayn(tmp_path, norm, joint, positions):
+    "norm, joint, positions, activation",
+    [("pre", True, "sinusoidal", "relu"), ("post", False, "learned", "relu"), ("pre", False, "sinusoidal", "gelu"),
+     ("post", True, "sinusoidal", "swish")],  # swish and gelu with an output bias: an imported model's
+)  # fmt: skip
+def test_variants_score_like_aiayn(tmp_path, norm, joint, positions, activation):
     tokenizer = Tokenizer.train(V_SRC, V_TGT, vocab_size=300, joint=joint)
     torch.manual_seed(0)
     config = preset(
@@ -153,12 +154,16 @@ def test_variants_score_like_aiayn(tmp_path, norm, joint, positions):
         norm=norm,
         positions=positions,
         max_positions=96,
+        activation=activation,
+        output_bias=activation != "relu",
     )
     model = Transformer(config).eval()
     with torch.no_grad():  # LayerNorm gains and biases away from 1 and 0, so a misplaced one shows
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
+            elif name == "generator.bias":
+                p.normal_(0.0, 2.0)
     save_model(tmp_path / "model", model, tokenizer)
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2")
     theirs = CTranslate2Translator(tmp_path / "ct2", threads=1)

@@ -45,18 +45,26 @@ EXPORTED = {  # configuration -> the class that holds it
         {"share_embeddings": False, "tie_output": False, "src_vocab_size": 70},
         "MarianMTModel",
     ),
+    # what an imported OPUS-MT model holds: swish (or gelu) and an output bias
+    "swish, output bias": ({"activation": "swish", "output_bias": True}, "MarianMTModel"),
+    "gelu, output bias, two vocabularies": (
+        {"activation": "gelu", "output_bias": True, "share_embeddings": False, "src_vocab_size": 70},
+        "MarianMTModel",
+    ),
 }  # fmt: skip
 
 
 def random_model(**changes) -> Transformer:
     """A tiny model with random weights, LayerNorm gains and biases far from 1 and 0 (so that a feature
-    put in the wrong place shows), vocabulary 50 (target) unless changed."""
+    put in the wrong place shows), an output bias (if any) far from 0, vocabulary 50 (target) unless changed."""
     torch.manual_seed(0)
     model = Transformer(dataclasses.replace(preset("tiny", vocab_size=50), **changes)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.7 if name.endswith("weight") else 0.0, 0.3)
+            elif name == "generator.bias":
+                p.normal_(0.0, 2.0)
     return model
 
 
