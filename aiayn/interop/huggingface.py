@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
@@ -368,3 +369,196 @@ def export_onnx(model_dir: str | Path, out: str | Path, force: bool = False) -> 
         if (Path(hf_dir) / TARGET_TOKENIZER).is_dir():
             shutil.copytree(Path(hf_dir) / TARGET_TOKENIZER, tmp / TARGET_TOKENIZER)
     return out
+
+
+# --- Import: a transformers Marian model as an aiayn model -----------------------------------------
+#
+# The inverse of the export above: the same names, the residual features permuted back (P^-1). Marian's
+# ids put </s> and <unk> first and <pad>, which is also the decoder's start token, last (OPUS-MT's
+# checkpoints); aiayn's specials are ids 0-3 (tokenizer.py), so the rows are reordered: aiayn id i is the
+# model's id order[i]. Where the model's pad is its start token, aiayn's BOS takes that row and aiayn's
+# PAD is a row of its own: zero (source padding is masked) and never predicted (an output bias of -inf,
+# so that the softmax over the other rows is the model's).
+
+# transformers' activation names (ACT2FN) -> aiayn's: "swish" and "silu" are one function, "gelu" erf's
+FROM_HF_ACTIVATIONS = MappingProxyType({"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"})
+
+
+def id_order(size: int, pad: int, start: int, eos: int, unk: int) -> list[int | None]:
+    """aiayn's ids in the model's: [PAD, BOS, EOS, UNK, then the model's other ids in order]; None for a
+    row the model lacks (aiayn's PAD where the model's pad is its start token). A ValueError where a
+    special id is outside the vocabulary or two of them are one."""
+    for name, i in (("pad", pad), ("decoder start", start), ("eos", eos), ("unk", unk)):
+        if not 0 <= i < size:
+            raise ValueError(f"the {name} id {i} is outside the vocabulary of {size}")
+    if len({pad, eos, unk}) < 3 or len({start, eos, unk}) < 3:
+        raise ValueError(
+            f"pad ({pad}), decoder start ({start}), eos ({eos}) and unk ({unk}) must be other ids"
+        )
+    specials = [None if pad == start else pad, start, eos, unk]
+    assert [PAD_ID, BOS_ID, EOS_ID, UNK_ID] == [0, 1, 2, 3]  # the order of `specials`
+    return specials + [i for i in range(size) if i not in (pad, start, eos, unk)]
+
+
+def marian_config(hf_cfg, unk_id: int) -> tuple[ModelConfig, list[int | None], list[int | None]]:
+    """aiayn's ModelConfig of a transformers MarianConfig, and the id orders of its source and target
+    vocabularies (id_order); a ValueError naming what aiayn cannot hold exactly."""
+    if hf_cfg.model_type != "marian":
+        raise ValueError(f"aiayn imports Marian models (OPUS-MT's); this is a {hf_cfg.model_type!r} model")
+    activation = FROM_HF_ACTIVATIONS.get(hf_cfg.activation_function)
+    if activation is None:
+        raise ValueError(
+            f"activation_function {hf_cfg.activation_function!r} has no aiayn equivalent "
+            f"(aiayn has {', '.join(FROM_HF_ACTIVATIONS)})"
+        )
+    unequal = [
+        f"{a}={getattr(hf_cfg, a)} and {b}={getattr(hf_cfg, b)}"
+        for a, b in (
+            ("encoder_ffn_dim", "decoder_ffn_dim"),
+            ("encoder_attention_heads", "decoder_attention_heads"),
+        )
+        if getattr(hf_cfg, a) != getattr(hf_cfg, b)
+    ]
+    if unequal:
+        raise ValueError(
+            f"aiayn's encoder and decoder share their sizes; this model has {'; '.join(unequal)}"
+        )
+    if not hf_cfg.scale_embedding:
+        raise ValueError("scale_embedding is false: aiayn always scales embeddings by sqrt(d_model) (§3.4)")
+    if hf_cfg.d_model % 2:
+        raise ValueError(f"Marian's sinusoids of an odd d_model ({hf_cfg.d_model}) are not aiayn's")
+    shared = hf_cfg.share_encoder_decoder_embeddings
+    src_size = hf_cfg.vocab_size
+    tgt_size = src_size if shared else hf_cfg.decoder_vocab_size
+    ids = dict(
+        pad=hf_cfg.pad_token_id, start=hf_cfg.decoder_start_token_id, eos=hf_cfg.eos_token_id, unk=unk_id
+    )
+    src_order, tgt_order = id_order(src_size, **ids), id_order(tgt_size, **ids)
+    config = ModelConfig(
+        src_vocab_size=len(src_order),
+        tgt_vocab_size=len(tgt_order),
+        d_model=hf_cfg.d_model,
+        d_ff=hf_cfg.encoder_ffn_dim,
+        n_heads=hf_cfg.encoder_attention_heads,
+        n_encoder_layers=hf_cfg.encoder_layers,
+        n_decoder_layers=hf_cfg.decoder_layers,
+        dropout=hf_cfg.dropout,
+        attention_dropout=hf_cfg.attention_dropout,
+        max_positions=hf_cfg.max_position_embeddings,
+        norm="post",
+        positions="sinusoidal",
+        share_embeddings=shared,
+        tie_output=hf_cfg.tie_word_embeddings,
+        activation=activation,
+        output_bias=True,
+    )
+    return config, src_order, tgt_order
+
+
+def from_transformers(hf, unk_id: int = 1) -> tuple[Transformer, list[int | None], list[int | None]]:
+    """A transformers MarianMTModel (in float32) as an aiayn Transformer (eval mode) computing its
+    log-probabilities, checked on a padded batch; with the id orders of its two vocabularies (aiayn id i is
+    the model's order[i]). unk_id: the model's <unk> (the vocabulary's, which the model does not know)."""
+    config, src_order, tgt_order = marian_config(hf.config, unk_id)
+    hf_weights = {name: t.detach().float() for name, t in hf.state_dict().items()}
+    Pinv = torch.argsort(residual_permutation(config))  # feature j of aiayn's stream is the model's Pinv[j]
+    model = Transformer(config).eval()
+    weights: dict[str, Tensor] = {}
+
+    def hf_tensor(name: str) -> Tensor:
+        if name not in hf_weights:
+            raise ValueError(f"the model has no {name}: not a whole Marian model")
+        return hf_weights[name]
+
+    def reads(name: str) -> tuple[Tensor, Tensor]:
+        return hf_tensor(f"{name}.weight")[:, Pinv], hf_tensor(f"{name}.bias")
+
+    def writes(ours: str, name: str) -> None:
+        weights[f"{ours}.weight"], weights[f"{ours}.bias"] = (
+            hf_tensor(f"{name}.weight")[Pinv],
+            hf_tensor(f"{name}.bias")[Pinv],
+        )
+
+    def norm(ours: str, name: str) -> None:
+        writes(ours, name)  # a LayerNorm's gain and bias are features of the stream
+
+    def fused(ours: str, name: str, parts: str) -> None:
+        pairs = [reads(f"{name}.{part}_proj") for part in parts]
+        weights[f"{ours}.weight"] = torch.cat([w for w, _ in pairs])
+        weights[f"{ours}.bias"] = torch.cat([b for _, b in pairs])
+
+    def sublayers(ours: str, name: str) -> None:
+        fused(f"{ours}.self_attn.in_proj", f"{name}.self_attn", "qkv")
+        writes(f"{ours}.self_attn.out_proj", f"{name}.self_attn.out_proj")
+        norm(f"{ours}.self_attn_norm", f"{name}.self_attn_layer_norm")
+        weights[f"{ours}.feed_forward.w_1.weight"], weights[f"{ours}.feed_forward.w_1.bias"] = reads(
+            f"{name}.fc1"
+        )
+        writes(f"{ours}.feed_forward.w_2", f"{name}.fc2")
+        norm(f"{ours}.feed_forward_norm", f"{name}.final_layer_norm")
+
+    for i in range(config.n_encoder_layers):
+        sublayers(f"encoder.{i}", f"model.encoder.layers.{i}")
+    for i in range(config.n_decoder_layers):
+        sublayers(f"decoder.{i}", f"model.decoder.layers.{i}")
+        name = f"model.decoder.layers.{i}.encoder_attn"
+        weights[f"decoder.{i}.cross_attn.q_proj.weight"], weights[f"decoder.{i}.cross_attn.q_proj.bias"] = (
+            reads(f"{name}.q_proj")
+        )
+        fused(f"decoder.{i}.cross_attn.kv_proj", name, "kv")
+        writes(f"decoder.{i}.cross_attn.out_proj", f"{name}.out_proj")
+        norm(f"decoder.{i}.cross_attn_norm", f"model.decoder.layers.{i}.encoder_attn_layer_norm")
+
+    def rows(matrix: Tensor, order: list[int | None], fill: float = 0.0) -> Tensor:
+        """matrix's rows (or entries) in aiayn's id order; `fill` for a row the model lacks."""
+        out = matrix.new_full((len(order), *matrix.shape[1:]), fill)
+        have = torch.tensor([i for i, j in enumerate(order) if j is not None])
+        out[have] = matrix[torch.tensor([j for j in order if j is not None])]
+        return out
+
+    tgt_embed = hf_tensor("model.decoder.embed_tokens.weight")[:, Pinv]
+    weights["tgt_embed.tokens.weight"] = rows(tgt_embed, tgt_order)
+    if not config.share_embeddings:
+        weights["src_embed.tokens.weight"] = rows(
+            hf_tensor("model.encoder.embed_tokens.weight")[:, Pinv], src_order
+        )
+    if not config.tie_output:
+        weights["generator.weight"] = rows(hf_tensor("lm_head.weight")[:, Pinv], tgt_order)
+    weights["generator.bias"] = rows(hf_tensor("final_logits_bias")[0], tgt_order, float("-inf"))
+    for name, same in (
+        ("src_embed.tokens.weight", config.share_embeddings),
+        ("generator.weight", config.tie_output),
+    ):
+        if same:  # one matrix under two names (§3.4)
+            weights[name] = weights["tgt_embed.tokens.weight"]
+    model.load_state_dict(weights, strict=True)
+    check_imported(model, hf, src_order, tgt_order)
+    return model, src_order, tgt_order
+
+
+def check_imported(
+    model: Transformer, hf, src_order: list, tgt_order: list, tolerance: float = CHECK_TOLERANCE
+) -> None:
+    """A ValueError unless model's log-probabilities are hf's (within tolerance) on a padded batch in
+    aiayn's ids, each of the model's ids at its own place: nothing wrong is ever written."""
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    src = torch.randint(4, config.src_vocab_size, (2, 7), generator=generator)
+    src[:, -1], src[1, 4:] = EOS_ID, torch.tensor([EOS_ID, PAD_ID, PAD_ID])
+    tgt_in = torch.randint(4, config.tgt_vocab_size, (2, 5), generator=generator)
+    tgt_in[:, 0] = BOS_ID
+    hf_pad = hf.config.pad_token_id
+    to_hf = lambda ids, order: torch.tensor([hf_pad if j is None else j for j in order])[ids]  # noqa: E731
+    hf_tgt = torch.tensor([j for j in tgt_order if j is not None])  # the model's ids in aiayn's order
+    ours = torch.tensor([i for i, j in enumerate(tgt_order) if j is not None])
+    with torch.no_grad():
+        want = model.eval()(src, tgt_in).log_softmax(-1)[..., ours]
+        hf_src = to_hf(src, src_order)
+        logits = hf.eval()(input_ids=hf_src, attention_mask=src.ne(PAD_ID),
+                                   decoder_input_ids=to_hf(tgt_in, tgt_order)).logits  # fmt: skip
+        got = logits.log_softmax(-1)[..., hf_tgt]
+    error = (got - want).abs().max().item()
+    if not error <= tolerance:
+        raise ValueError(
+            f"the imported model differs from the {type(hf).__name__} by {error:.2e} (> {tolerance:g})"
+        )

@@ -1,0 +1,124 @@
+"""Importing transformers' Marian models (OPUS-MT's architecture): aiayn's model of a MarianMTModel gives
+its log-probabilities, the special ids reordered to aiayn's; the export's inverse gives back the export;
+what aiayn cannot hold exactly is refused with its reason."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from aiayn.config import preset
+from aiayn.interop.huggingface import from_transformers, hf_state_dict, id_order, to_transformers
+from aiayn.model import Transformer
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+transformers = pytest.importorskip("transformers")
+
+V = 60  # OPUS-MT's layout: </s> 0, <unk> 1, pieces, <pad> (the decoder's start) last
+
+
+def marian(tmp_path, activation="swish", shared=True, dtype=torch.float32, **changes):
+    """A MarianMTModel with random weights, LayerNorms and final_logits_bias far from their initial values,
+    saved with save_pretrained in dtype and loaded back in float32, as `aiayn import` reads a directory."""
+    torch.manual_seed(0)
+    config = transformers.MarianConfig(
+        vocab_size=V, decoder_vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4, max_position_embeddings=64,
+        activation_function=activation, pad_token_id=V - 1, decoder_start_token_id=V - 1, eos_token_id=0,
+        share_encoder_decoder_embeddings=shared, tie_word_embeddings=shared, scale_embedding=True, **changes,
+    )  # fmt: skip
+    hf = transformers.MarianMTModel(config).eval()
+    with torch.no_grad():
+        hf.final_logits_bias.normal_(0.0, 2.0)
+        for name, p in hf.named_parameters():
+            if "layer_norm" in name:
+                p.normal_(0.7 if name.endswith("weight") else 0.0, 0.3)
+    hf.to(dtype).save_pretrained(tmp_path / "hf")
+    return transformers.MarianMTModel.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+
+
+def test_the_ids_are_reordered_to_aiayns_specials():
+    # OPUS-MT's: aiayn's PAD a row of its own, BOS the model's pad (its decoder start), EOS 0, UNK 1
+    assert id_order(6, pad=5, start=5, eos=0, unk=1) == [None, 5, 0, 1, 2, 3, 4]
+    # aiayn's own export: nothing moves, so export -> import is the identity
+    assert id_order(6, pad=PAD_ID, start=BOS_ID, eos=EOS_ID, unk=UNK_ID) == list(range(6))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        id_order(6, pad=6, start=6, eos=0, unk=1)
+    with pytest.raises(ValueError, match="must be other ids"):
+        id_order(6, pad=5, start=5, eos=1, unk=1)
+
+
+@pytest.mark.parametrize(
+    ("activation", "shared", "dtype"),
+    [("swish", True, torch.float32), ("relu", False, torch.float32), ("swish", False, torch.float16),
+     ("gelu", True, torch.float16)],
+    ids=["swish", "relu, two vocabularies", "swish, two vocabularies, fp16", "gelu, fp16"],
+)  # fmt: skip
+def test_the_imported_model_gives_marians_log_probabilities_on_a_padded_batch(
+    tmp_path, activation, shared, dtype
+):
+    hf = marian(tmp_path, activation, shared, dtype)
+    model, src_order, tgt_order = from_transformers(hf)
+    config = model.config
+    assert (config.activation, config.output_bias, config.share_embeddings) == (activation, True, shared)
+    assert config.src_vocab_size == config.tgt_vocab_size == V + 1  # aiayn's PAD added
+    # a padded batch in Marian's ids: two sentences, the second padded with Marian's pad
+    generator = torch.Generator().manual_seed(3)
+    src = torch.randint(2, V - 1, (2, 9), generator=generator)
+    src[:, -1], src[1, 5:] = 0, torch.tensor([0, V - 1, V - 1, V - 1])
+    tgt_in = torch.randint(2, V - 1, (2, 6), generator=generator)
+    tgt_in[:, 0] = V - 1  # Marian decodes from its pad
+    ours_of = {j: i for i, j in enumerate(src_order) if j is not None}
+    ours_of[V - 1] = PAD_ID  # the source's padding: aiayn's PAD
+    ours_src = torch.tensor([[ours_of[int(j)] for j in row] for row in src])
+    tgt_of = {j: i for i, j in enumerate(tgt_order) if j is not None}
+    ours_tgt = torch.tensor([[tgt_of[int(j)] for j in row] for row in tgt_in])
+    assert (ours_tgt[:, 0] == BOS_ID).all() and (ours_src[1, 6:] == PAD_ID).all()
+    with torch.no_grad():
+        want = hf(input_ids=src, attention_mask=src.ne(V - 1), decoder_input_ids=tgt_in).logits.log_softmax(
+            -1
+        )
+        got = model(ours_src, ours_tgt).log_softmax(-1)
+    torch.testing.assert_close(got[..., [tgt_of[j] for j in range(V)]], want, atol=1e-4, rtol=0)
+    assert torch.isneginf(got[..., PAD_ID]).all()  # aiayn's own PAD row: never predicted
+
+
+def test_export_then_import_gives_back_the_export():
+    """aiayn -> transformers -> aiayn -> transformers: the same weights each way (the ids do not move)."""
+    torch.manual_seed(0)
+    original = Transformer(dataclasses.replace(preset("tiny", vocab_size=50), activation="swish")).eval()
+    exported = to_transformers(original)
+    imported, src_order, _ = from_transformers(exported, unk_id=UNK_ID)
+    assert src_order == list(range(50))
+    first, second = hf_state_dict(original), hf_state_dict(imported)
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [({"activation_function": "gelu_new"}, "activation_function 'gelu_new'"),
+     ({"scale_embedding": False}, "scale_embedding is false"),
+     ({"decoder_ffn_dim": 32}, "encoder_ffn_dim=64 and decoder_ffn_dim=32")],
+)  # fmt: skip
+def test_what_aiayn_cannot_hold_exactly_is_refused_with_its_reason(tmp_path, changes, reason):
+    config = marian(tmp_path).config.to_dict()
+    config.update(changes)
+    hf = transformers.MarianMTModel(transformers.MarianConfig(**config)).eval()
+    with pytest.raises(ValueError, match=reason):
+        from_transformers(hf)
+    pegasus = transformers.PegasusForConditionalGeneration(
+        transformers.PegasusConfig(
+            vocab_size=20,
+            d_model=16,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=16,
+            decoder_ffn_dim=16,
+        )  # fmt: skip
+    )
+    with pytest.raises(ValueError, match="imports Marian models"):
+        from_transformers(pegasus)
