@@ -503,3 +503,34 @@ def test_translate_decodes_with_the_stored_graphs_by_default(workdir, monkeypatc
     assert code == 0 and output == eager and [kind for kind, _ in decoders] == ["stored", "compile"]
     code, _, _ = run(["evaluate", model, "--src", root / "test.en", "--ref", root / "test.xx", "--quiet"])
     assert code == 0 and [kind for kind, _ in decoders] == ["stored", "compile", "stored"]
+
+
+# --- Fine-tuning ------------------------------------------------------------------------------------
+
+
+def test_init_fine_tunes_a_model_with_its_vocabulary_architecture_and_search(
+    corpus_prefix, served_model, tmp_path
+):
+    """`aiayn train --init MODEL_DIR`: the corpus encoded with the model's vocabulary, its architecture
+    (dropout as --set gives it) and its search kept, the run its own (its schedule, budget, checkpoints);
+    flags that would change the architecture or the vocabulary are refused before OUT exists."""
+    out = tmp_path / "tuned"
+    flags = ["--init", served_model, "--max-updates", 2, "--valid-fraction", 0.05, "--set", "dtype=fp32"]
+    code, _, stderr = run(
+        train_argv(corpus_prefix, out, *flags, "--set", "dropout=0.2", "--set", "beam_size=2")
+    )
+    assert code == 0, stderr
+    assert (out / "tokenizer.json").read_text() == (served_model / "tokenizer.json").read_text()
+    tuned, init = (json.loads((d / "config.json").read_text()) for d in (out, served_model))
+    assert tuned == {**init, "dropout": 0.2}
+    search = json.loads((out / "search.json").read_text())
+    assert search == {**json.loads((served_model / "search.json").read_text()), "beam_size": 2}
+    assert json.loads((out / "run.json").read_text())["init"] == str(served_model.resolve())
+    for extra, needles in (
+        (["--set", "d_model=32"], ["keeps its model's architecture", "d_model"]),
+        (["--vocab-size", 100], ["brings its own vocabulary", "--vocab-size"]),
+        (["--init", tmp_path / "nothing"], [str(tmp_path / "nothing")]),
+    ):
+        code, _, stderr = run(train_argv(corpus_prefix, tmp_path / "refused", *flags, *extra))
+        assert_one_line_error(code, stderr, *needles)
+        assert not (tmp_path / "refused").exists()

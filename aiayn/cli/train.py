@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from aiayn.cli.common import config_flags, device_flag, encoding_flag, say
 from aiayn.config import (
     LOW_RESOURCE_PAIRS,
     PRESETS,
+    SEARCH_KEYS,
     ModelConfig,
     TrainConfig,
     choose,
@@ -66,6 +68,13 @@ def add_train(sub: Any) -> None:
     corpus_flags(p, DATA_FORMS, required=False)
     p.add_argument("--data", help="a corpus `aiayn prepare` wrote, instead of --train")
     p.add_argument("--out", required=True, help="run directory to write (a model directory plus checkpoints)")
+    p.add_argument(
+        "--init",
+        metavar="MODEL_DIR",
+        help="fine-tune: start from this model directory's weights, architecture and tokenizer (a model aiayn "
+        "trained or imported); the corpus is encoded with its vocabulary, and the run keeps its own schedule, "
+        "budget and checkpoints",
+    )
     device_flag(p)
     p.add_argument(
         "--nproc", type=int, default=1, help="train with N processes on this machine (runs torchrun for you)"
@@ -98,6 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """`aiayn train`: every input checked before OUT changes, the data prepared (rank 0), the preset that
     the corpus picks, then the training loop; the exit status says how it stopped. Long for a reason: the
     order of these checks across torchrun's ranks is the point, and reads best in one place."""
+    from aiayn.checkpoint import load_model
     from aiayn.data.prepare import open_prepared
     from aiayn.training.distributed import Ranks
     from aiayn.training.run import Run
@@ -112,6 +122,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return relaunch_under_torchrun(args)
     values = config_file(args.config) | parse_overrides((ModelConfig, TrainConfig), args.set)
     model_overrides, train_overrides = split_overrides(values, where=args.config or "--set")
+    start = starting_model(args, model_overrides)  # --init's configuration and tokenizer, checked now
     # An unknown preset, a bad override or an impossible model fails now, not after preparing the data
     # (the vocabulary is at most --vocab-size). Without --preset the corpus decides it, once prepared.
     provisional = choose(args.preset or "small", vocab_size=args.vocab_size)  # the corpus may pick another
@@ -138,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run = run or open_run()
         ranks.barrier()
         with run.checking():
-            data = training_data(args, run, cfg) if ranks.main else None
+            data = training_data(args, run, cfg, start and start[1]) if ranks.main else None
             if not ranks.main:  # rank 0 prepared it: open its copy before it moves into place
                 data = open_prepared(ranks.share(None))
             else:
@@ -151,12 +162,20 @@ def cmd_train(args: argparse.Namespace) -> int:
                     f"aiayn: no --preset: {len(data.src):,} training pairs, so --preset {name} (docs/training.md)"
                 )
             cfg = train_config(args, name, train_overrides)
-            sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
-            model_config = preset_for_vocabulary(name, *sizes, **model_overrides)
+            init = None
+            if start is None:
+                sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
+                model_config = preset_for_vocabulary(name, *sizes, **model_overrides)
+            else:  # the model's own architecture, its dropout as --set gives it
+                model_config = dataclasses.replace(start[0], **model_overrides)
+                if not run.resuming:  # (a resume takes its checkpoint's weights)
+                    init = load_model(args.init).state_dict()
         vocab = choose(name, vocab_size=args.vocab_size).vocab_size  # what prepare was asked for
         settings = {} if args.data else {"tokenizer": f"{args.tokenizer}, vocab_size {vocab}, " + (
             "separate" if args.separate_vocab else "joint")}  # fmt: skip
-        result = train(run, model_config, cfg, data, device, settings, ranks)
+        if start is not None:
+            settings = {"init": str(Path(args.init).resolve())}  # its vocabulary, not the tokenizer flags
+        result = train(run, model_config, cfg, data, device, settings, ranks, init)
     finally:
         ranks.close()
     if not ranks.main:
@@ -208,21 +227,61 @@ def config_file(path: str | None) -> dict[str, Any]:
 
 
 def train_config(args: argparse.Namespace, preset_name: str, overrides: dict[str, Any]) -> TrainConfig:
-    """The preset's training settings, then the flags, then --set and --config: the user's win."""
+    """The preset's training settings, then --init's model's own search (search.json), then the flags, then
+    --set and --config: the user's win."""
+    from aiayn.checkpoint import load_search
+
     limits = {"max_minutes": args.max_minutes, "max_epochs": args.max_epochs, "max_updates": args.max_updates}
     flags = {k: v for k, v in {**limits, "max_tokens": args.max_tokens}.items() if v is not None}
-    return from_dict(TrainConfig, dict(recipe(preset_name).train) | flags | overrides)
+    preset = dict(recipe(preset_name).train)
+    if args.init is not None:  # the model's search instead of the recipe's
+        search = load_search(args.init)
+        preset = {k: v for k, v in preset.items() if k not in SEARCH_KEYS} | {
+            k: getattr(search, k) for k in SEARCH_KEYS
+        }
+    return from_dict(TrainConfig, preset | flags | overrides)
 
 
-def training_data(args: argparse.Namespace, run, cfg: TrainConfig):
+def starting_model(args: argparse.Namespace, model_overrides: dict[str, Any]):
+    """(ModelConfig, Tokenizer) of --init's model directory, or None without --init; a ValueError for a
+    directory that holds no model, or flags that would change its architecture or vocabulary."""
+    from aiayn.checkpoint import load_model_config
+    from aiayn.tokenizer import Tokenizer
+
+    if args.init is None:
+        return None
+    config, tokenizer = load_model_config(args.init), Tokenizer.load(args.init)
+    fixed = sorted(set(model_overrides) - FINE_TUNABLE)
+    if fixed:
+        raise ValueError(
+            f"--init {args.init} keeps its model's architecture: {', '.join(fixed)} cannot be set "
+            f"(only {' and '.join(sorted(FINE_TUNABLE))} can)"
+        )
+    for flag, given in (
+        ("--vocab-size", args.vocab_size is not None),
+        ("--separate-vocab", args.separate_vocab),
+    ):
+        if given:
+            raise ValueError(f"--init {args.init} brings its own vocabulary: {flag} does not apply")
+    return config, tokenizer
+
+
+# What a fine-tuning run may change of the model it starts from: its regularisation, not its shape
+FINE_TUNABLE = frozenset({"dropout", "attention_dropout"})
+
+
+def training_data(args: argparse.Namespace, run, cfg: TrainConfig, vocabulary=None):
     """The prepared corpus to train on: --data as it is; else --train prepared into OUT/data (staged,
-    moved into place when the run begins) or, on a resume, OUT/data once it is shown to be that data."""
+    moved into place when the run begins) or, on a resume, OUT/data once it is shown to be that data.
+    vocabulary: --init's tokenizer, which a new run encodes with."""
     from aiayn.data.prepare import check_same_input, open_prepared
 
     if args.data is not None:
         if args.train is not None:
             raise ValueError("give --train (files to prepare) or --data (a prepared corpus), not both")
         data = open_prepared(args.data)
+        if vocabulary is not None and data.tokenizer.files() != vocabulary.files():
+            raise ValueError(f"{args.data} was prepared with another vocabulary than --init {args.init}'s")
         for flag, asked, held in (
             ("--src-lang", args.src_lang, data.src_lang),
             ("--tgt-lang", args.tgt_lang, data.tgt_lang),
@@ -248,7 +307,7 @@ def training_data(args: argparse.Namespace, run, cfg: TrainConfig):
         )
         return data
     # A resume of a run from before OUT/data existed prepares with the run's own vocabulary.
-    tokenizer = run.saved_tokenizer() if run.resuming else None
+    tokenizer = run.saved_tokenizer() if run.resuming else vocabulary
     return prepare_from(args, run.data_dir, cfg.seed, tokenizer, minutes=cfg.max_minutes)
 
 

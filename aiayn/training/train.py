@@ -9,7 +9,7 @@ import contextlib
 import math
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -128,6 +128,7 @@ def train(
     device: torch.device | None = None,
     settings: dict[str, Any] | None = None,
     ranks: Ranks = ONE,
+    init: Mapping[str, Tensor] | None = None,
 ) -> Result:
     """Train on a prepared corpus into run.out until a limit, patience or a signal stops it (the Result).
 
@@ -135,6 +136,8 @@ def train(
     latest without validation data); a signal saves a checkpoint and says which weights OUT holds.
     settings: more that a resume must share (run.py); the model, data and languages always are.
     ranks: the processes of a torchrun run; each update then takes `accumulate` micro-batches on each.
+    init: the weights to start from (fine-tuning a model, `aiayn train --init`) instead of random ones; a
+    resume takes its checkpoint's either way.
     """
     device = device or default_device()
     configure(device)
@@ -142,7 +145,10 @@ def train(
         pairs, scaler = TrainingPairs.of(data, cfg.max_len), grad_scaler(cfg, device)
         check_positions(model_config, cfg, data)
     torch.manual_seed(cfg.seed)
-    model = Transformer(model_config).to(device)
+    model = Transformer(model_config)
+    if init is not None:
+        model.load_state_dict(init)
+    model = model.to(device)
     optimizer = make_optimizer(model, cfg)
     state = run.begin(
         run_settings(model_config, cfg, data, settings, ranks), model, optimizer, data, cfg, scaler

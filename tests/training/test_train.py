@@ -343,6 +343,33 @@ def test_resume_reaches_the_same_weights_bit_for_bit(data, uninterrupted, tmp_pa
     assert torch.equal(got_state["rng"]["torch"], want_state["rng"]["torch"])
 
 
+def test_fine_tuning_starts_from_the_models_weights_and_resumes_bit_for_bit(
+    data, uninterrupted, tmp_path, monkeypatch
+):
+    """train(init=...) (`aiayn train --init`): the run starts from a trained model's weights, so its first
+    validation loss is far below a random start's and falls from there; stopped by a signal and resumed
+    (the resume takes its checkpoint's weights, not init's), it reaches the uninterrupted run's weights."""
+    tokenizer, corpus = data
+    init = weights(uninterrupted[0])  # 12 updates of this task
+    model_config = small_model(tokenizer, dropout=0.1)
+    config = TrainConfig(max_updates=8, **RESUME_CONFIG)
+    whole = run_train(tmp_path / "whole", model_config, config, tokenizer, corpus, init=init)
+    run_train(tmp_path / "scratch", model_config, config, tokenizer, corpus)
+    losses = {run: [r["valid_loss"] for r in read_metrics(tmp_path / run) if "valid_loss" in r]
+              for run in ("whole", "scratch")}  # fmt: skip
+    assert losses["whole"][0] < losses["scratch"][0] - 0.5, losses  # validations at 4 and 8
+    assert losses["whole"][-1] <= losses["whole"][0], losses
+    with monkeypatch.context() as patch:
+        patch.setattr(train_module, "stop_reason", interrupt_at(6))
+        first = run_train(tmp_path / "run", model_config, config, tokenizer, corpus, init=init)
+    assert first.step == 6 and first.stop.signal == "SIGINT"
+    second = run_train(tmp_path / "run", model_config, config, tokenizer, corpus, mode="resume", init=init)
+    assert second.step == whole.step == 8
+    want, got = (weights(checkpoint.list_checkpoints(tmp_path / d)[-1]) for d in ("whole", "run"))
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def test_resume_needs_no_random_state_because_each_micro_batch_seeds_its_dropout(
     data, uninterrupted, tmp_path, monkeypatch
 ):
