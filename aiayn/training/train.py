@@ -46,14 +46,16 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float) -> tuple
     logits (B, T, V), target (B, T); or logits (n, V) and target (n,) of the non-pad positions alone.
     The smoothed target spreads epsilon uniformly over all V classes,
     q = (1 - eps) * onehot + eps / V (the paper's eps_ls = 0.1; PyTorch's `label_smoothing` likewise), so
-    -sum q log p = (1 - eps) * NLL + eps / V * sum_v -log p_v. One log-softmax serves both sums.
+    -sum q log p = (1 - eps) * NLL + eps / V * sum_v -log p_v. One log-softmax serves both sums. A class
+    whose logit is -inf (an imported model's PAD row, which its output bias rules out) can never be
+    produced and adds nothing, where it would make the sum infinite.
     """
     V = logits.size(-1)
     lprobs = F.log_softmax(logits.reshape(-1, V).float(), dim=-1)  # (B*T, V)
     gold = target.reshape(-1)  # (B*T,)
     keep = gold != PAD_ID  # (B*T,)
     nll = -lprobs.gather(1, gold.unsqueeze(1)).squeeze(1)  # (B*T,)
-    uniform = -lprobs.sum(dim=-1)  # (B*T,)
+    uniform = -lprobs.masked_fill(lprobs.isneginf(), 0.0).sum(dim=-1)  # (B*T,)
     loss = ((1 - epsilon) * nll + (epsilon / V) * uniform).masked_fill(~keep, 0.0).sum()
     return loss, nll.detach().masked_fill(~keep, 0.0).sum()
 

@@ -76,6 +76,24 @@ def test_label_smoothed_loss_ignores_padded_positions():
     assert torch.equal(loss2, loss.detach()) and torch.equal(nll2, nll)
 
 
+def test_a_class_that_can_never_be_produced_takes_no_share_of_the_smoothing():
+    """An imported model's PAD row has a logit of -inf (its output bias): the loss stays finite, equal to the
+    hand computation with that class's -log p left out of the uniform sum, and no gradient reaches it."""
+    torch.manual_seed(2)
+    logits = torch.randn(2, 4, 9) * 3
+    logits[..., PAD_ID] = -math.inf
+    logits.requires_grad_(True)
+    target = torch.tensor([[4, 7, 2, PAD_ID], [5, 2, PAD_ID, PAD_ID]])
+    loss, nll = label_smoothed_loss(logits, target, 0.1)
+    lprobs = logits.detach().log_softmax(-1)[target != PAD_ID]  # (n, V)
+    gold = lprobs.gather(1, target[target != PAD_ID][:, None])[:, 0]
+    want = (0.9 * -gold + 0.1 / 9 * -lprobs[:, 1:].sum(-1)).sum()
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert nll.item() == pytest.approx(-gold.sum().item(), rel=1e-5)
+    loss.backward()
+    assert torch.isfinite(logits.grad).all() and (logits.grad[..., PAD_ID] == 0).all()
+
+
 def test_label_smoothed_loss_accepts_bf16_logits_and_sums_in_fp32():
     torch.manual_seed(2)
     logits = torch.randn(2, 4, 9).bfloat16()
