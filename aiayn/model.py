@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +130,7 @@ def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -
 
 
 # The paper's max(0, x), and the deviations an imported model may name (config.activation)
-ACTIVATIONS = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}
+ACTIVATIONS = MappingProxyType({"relu": F.relu, "swish": F.silu, "gelu": F.gelu})
 
 
 class FeedForward(nn.Module):

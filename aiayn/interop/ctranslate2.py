@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import ctranslate2
 import torch
@@ -28,11 +29,13 @@ LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses; CTranslate
 
 
 # aiayn's activations as CTranslate2 names them: its GELU is the exact (erf) one, SWISH is SiLU
-CT2_ACTIVATIONS = {
-    "relu": common_spec.Activation.RELU,
-    "swish": common_spec.Activation.SWISH,
-    "gelu": common_spec.Activation.GELU,
-}
+CT2_ACTIVATIONS = MappingProxyType(
+    {
+        "relu": common_spec.Activation.RELU,
+        "swish": common_spec.Activation.SWISH,
+        "gelu": common_spec.Activation.GELU,
+    }
+)
 
 
 def ctranslate2_spec(model: Transformer, tokenizer: Tokenizer) -> transformer_spec.TransformerSpec:

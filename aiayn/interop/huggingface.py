@@ -46,7 +46,7 @@ AIAYN_CONFIG = EXPORT_CONFIG  # our ModelConfig, beside transformers' config.jso
 TARGET_TOKENIZER = "target_tokenizer"  # two vocabularies: the target's tokenizer, which decodes outputs
 CHECK_TOLERANCE = 1e-4  # the exported model's logits against aiayn's, checked before anything is written
 # aiayn's activations under transformers' names (ACT2FN): swish is SiLU, gelu the exact (erf) one
-HF_ACTIVATIONS = {"relu": "relu", "swish": "swish", "gelu": "gelu"}
+HF_ACTIVATIONS = MappingProxyType({"relu": "relu", "swish": "swish", "gelu": "gelu"})
 
 
 def model_type(config: ModelConfig) -> str:

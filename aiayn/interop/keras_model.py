@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 
@@ -124,7 +125,9 @@ class CrossAttention(MultiHeadAttention):
 
 # aiayn's activations (ModelConfig.activation): Keras's gelu defaults to the tanh approximation, aiayn's
 # (PyTorch's) is the exact one
-ACTIVATIONS = {"relu": ops.relu, "swish": ops.silu, "gelu": lambda x: ops.gelu(x, approximate=False)}
+ACTIVATIONS = MappingProxyType(
+    {"relu": ops.relu, "swish": ops.silu, "gelu": lambda x: ops.gelu(x, approximate=False)}
+)
 
 
 @serializable

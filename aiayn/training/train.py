@@ -136,21 +136,15 @@ def train(
 
     Every stop but a crash ends validated, with OUT holding the best model by validation BLEU (the
     latest without validation data); a signal saves a checkpoint and says which weights OUT holds.
-    settings: more that a resume must share (run.py); the model, data and languages always are.
-    ranks: the processes of a torchrun run; each update then takes `accumulate` micro-batches on each.
-    init: the weights to start from (fine-tuning a model, `aiayn train --init`) instead of random ones; a
-    resume takes its checkpoint's either way.
+    settings: what else a resume must share (run.py) than the model, data and languages; ranks: torchrun's
+    processes, `accumulate` micro-batches on each an update; init: weights to start from (starting_model).
     """
     device = device or default_device()
     configure(device)
     with run.checking():  # before anything is written
         pairs, scaler = TrainingPairs.of(data, cfg.max_len), grad_scaler(cfg, device)
         check_positions(model_config, cfg, data)
-    torch.manual_seed(cfg.seed)
-    model = Transformer(model_config)
-    if init is not None:
-        model.load_state_dict(init)
-    model = model.to(device)
+    model = starting_model(model_config, cfg.seed, init).to(device)
     optimizer = make_optimizer(model, cfg)
     state = run.begin(
         run_settings(model_config, cfg, data, settings, ranks), model, optimizer, data, cfg, scaler
@@ -192,6 +186,16 @@ def train(
     final = final_validation(run, validation, state, device) if stop.signal is None else None
     ranks.max([0], device)  # the other ranks wait for rank 0's final validation before they leave
     return finish(run, state, stop, final)
+
+
+def starting_model(config: ModelConfig, seed: int, init: Mapping[str, Tensor] | None = None) -> Transformer:
+    """The model a new run starts from: random weights (seeded: §5.3's run is reproducible), or init's (a
+    model to fine-tune, `aiayn train --init`), loaded over them. A resume then takes its checkpoint's."""
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    if init is not None:
+        model.load_state_dict(init)
+    return model
 
 
 @dataclass(frozen=True)
