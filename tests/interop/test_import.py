@@ -83,6 +83,14 @@ def test_the_imported_model_gives_marians_log_probabilities_on_a_padded_batch(
     assert torch.isneginf(got[..., PAD_ID]).all()  # aiayn's own PAD row: never predicted
 
 
+def test_an_imported_model_exports_again_with_its_log_probabilities(tmp_path):
+    """An OPUS-MT-shaped model imported, then exported to transformers: the export checks its log-probabilities
+    against the imported model's (its own PAD row, never predicted, included), which are Marian's."""
+    model, _, _ = from_transformers(marian(tmp_path))
+    again = to_transformers(model)  # raises unless the log-probabilities agree
+    assert again.config.activation_function == "swish" and torch.isneginf(again.final_logits_bias[0, PAD_ID])
+
+
 def test_export_then_import_gives_back_the_export():
     """aiayn -> transformers -> aiayn -> transformers: the same weights each way (the ids do not move)."""
     torch.manual_seed(0)
