@@ -123,6 +123,18 @@ class Tokenizer:
             raise ValueError(f"no tokenizer in {directory}: expected {expected}")
         raise ValueError(f"{directory} holds {', '.join(found)}: expected {expected}")
 
+    @classmethod
+    def from_files(cls, src: str | Path, tgt: str | Path | None = None) -> Tokenizer:
+        """Vocabularies from tokenizer files of any name (a transformers export's tokenizer.json, and its
+        target's): one, joint, without tgt. ValueError naming a file that is missing or broken."""
+        for path in (src, tgt):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"no tokenizer file {path}")
+        if tgt is None:
+            shared = _read(Path(src))
+            return cls(shared, shared, joint=True)
+        return cls(_read(Path(src)), _read(Path(tgt)), joint=False)
+
     def with_dropout(self, p: float, target: bool = True) -> Tokenizer:
         """A copy whose BPE leaves out each merge with probability p while encoding (BPE-dropout, Provilkov
         et al., 2020): many segmentations of one text from one vocabulary, for training only; of the

@@ -77,6 +77,30 @@ def add_export(sub: Any) -> None:
     p.set_defaults(func=cmd_export)
 
 
+def add_import(sub: Any) -> None:
+    p = sub.add_parser("import", help="make a model directory of a transformers Marian model")
+    p.add_argument(
+        "source",
+        help="a local transformers directory holding a Marian model with a tokenizer.json (what `aiayn export "
+        "--format transformers` writes)",
+    )
+    p.add_argument("--out", required=True, help="model directory to write")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_import)
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    need("import", "transformers", "transformers")
+    from aiayn.interop.huggingface import import_transformers
+
+    check_writable_dir(args.out)
+    print(
+        json.dumps(
+            {"source": args.source, "out": str(import_transformers(args.source, args.out, args.force))}
+        )
+    )
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     if args.format == "keras":
         need("--format keras", "keras", "keras")

@@ -26,6 +26,7 @@ table[:, P], so the permuted weights with transformers' own table compute aiayn'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -462,6 +463,12 @@ def from_transformers(hf, unk_id: int = 1) -> tuple[Transformer, list[int | None
     the model's order[i]). unk_id: the model's <unk> (the vocabulary's, which the model does not know)."""
     config, src_order, tgt_order = marian_config(hf.config, unk_id)
     hf_weights = {name: t.detach().float() for name, t in hf.state_dict().items()}
+    if (
+        None not in tgt_order
+        and "final_logits_bias" in hf_weights
+        and not hf_weights["final_logits_bias"].any()
+    ):
+        config = dataclasses.replace(config, output_bias=False)  # none to hold (an aiayn export's, say)
     Pinv = torch.argsort(residual_permutation(config))  # feature j of aiayn's stream is the model's Pinv[j]
     model = Transformer(config).eval()
     weights: dict[str, Tensor] = {}
@@ -525,7 +532,8 @@ def from_transformers(hf, unk_id: int = 1) -> tuple[Transformer, list[int | None
         )
     if not config.tie_output:
         weights["generator.weight"] = rows(hf_tensor("lm_head.weight")[:, Pinv], tgt_order)
-    weights["generator.bias"] = rows(hf_tensor("final_logits_bias")[0], tgt_order, float("-inf"))
+    if config.output_bias:
+        weights["generator.bias"] = rows(hf_tensor("final_logits_bias")[0], tgt_order, float("-inf"))
     for name, same in (
         ("src_embed.tokens.weight", config.share_embeddings),
         ("generator.weight", config.tie_output),
@@ -563,3 +571,67 @@ def check_imported(
         raise ValueError(
             f"the imported model differs from the {type(hf).__name__} by {error:.2e} (> {tolerance:g})"
         )
+
+
+def generation_search(generation) -> SearchConfig:
+    """aiayn's search for a transformers GenerationConfig: its beams and its length penalty, which divides by
+    |Y|^alpha (aiayn's "average"); the output limit stays aiayn's per-sentence one (input + 50, §6.1), as
+    transformers' max_length is one cap for every call."""
+    beams = int(getattr(generation, "num_beams", None) or 1)
+    alpha = float(getattr(generation, "length_penalty", None) or 1.0)
+    return SearchConfig(
+        beam_size=beams, n_best=1, alpha=alpha if beams > 1 else 0.6, length_penalty="average"
+    )
+
+
+def read_transformers(source: Path) -> tuple:
+    """(model in float32, its tokenizer for aiayn, its generation config) of a local transformers directory;
+    a ValueError naming what is missing, broken or not yet importable."""
+    import transformers
+    from safetensors import SafetensorError
+
+    if not (source / "config.json").is_file():
+        raise ValueError(f"{source}: no config.json, not a transformers model directory")
+    if (source / "source.spm").is_file() or (source / "vocab.json").is_file():
+        raise ValueError(
+            f"{source}: a SentencePiece vocabulary (source.spm, vocab.json): aiayn cannot read it yet; "
+            "it imports the transformers directories aiayn's export writes (tokenizer.json)"
+        )
+    target = source / TARGET_TOKENIZER / "tokenizer.json"
+    tokenizer = Tokenizer.from_files(source / "tokenizer.json", target if target.is_file() else None)
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+        if config.model_type != "marian":
+            raise ValueError(f"aiayn imports Marian models; {source} holds a {config.model_type!r} model")
+        hf = transformers.MarianMTModel.from_pretrained(source, torch_dtype=torch.float32).eval()
+        generation = transformers.GenerationConfig.from_pretrained(source) if (
+            source / "generation_config.json").is_file() else None  # fmt: skip
+    except (OSError, ValueError, RuntimeError, json.JSONDecodeError, SafetensorError) as e:  # a damaged file
+        raise ValueError(f"{source}: cannot load it with transformers: {str(e).splitlines()[0]}") from None
+    return hf, tokenizer, generation
+
+
+def import_transformers(source: str | Path, out: str | Path, force: bool = False) -> Path:
+    """Write the Marian model of transformers directory SOURCE as an aiayn model directory OUT (config.json,
+    safetensors, tokenizer, search.json), its log-probabilities checked against transformers' first. OUT is
+    made under a temporary name and renamed: a failed import leaves nothing."""
+    from aiayn.checkpoint import save_model
+    from aiayn.files import check_replaceable
+
+    source, out = Path(source), Path(out)
+    if not source.is_dir():
+        raise ValueError(
+            f"{source}: no such directory (aiayn imports local transformers directories; fetch a hub model "
+            "with transformers first where the network allows)"
+        )
+    check_replaceable(out, force)
+    hf, tokenizer, generation = read_transformers(source)
+    model, src_order, tgt_order = from_transformers(hf, unk_id=UNK_ID)
+    sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    if (len(src_order), len(tgt_order)) != sizes:
+        raise ValueError(f"{source}: the model's vocabularies ({len(src_order)}, {len(tgt_order)}) are not its "
+                         f"tokenizer's {sizes}")  # fmt: skip
+    search = generation_search(generation) if generation is not None else SearchConfig()
+    with staged_dir(out) as tmp:
+        save_model(tmp, model, tokenizer, search)
+    return out

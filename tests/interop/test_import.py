@@ -130,3 +130,47 @@ def test_what_aiayn_cannot_hold_exactly_is_refused_with_its_reason(tmp_path, cha
     )
     with pytest.raises(ValueError, match="imports Marian models"):
         from_transformers(pegasus)
+
+
+def test_aiayn_import_makes_a_model_directory_of_an_export_and_refuses_what_it_cannot_read(tmp_path):
+    """`aiayn import` of what `aiayn export --format transformers` wrote: a model directory with the model's
+    config, weights, vocabulary and search, whose export is the first export again; a damaged or partial
+    SOURCE is a one-line error and leaves no OUT."""
+    from conftest import assert_one_line_error, run_cli
+
+    from aiayn.checkpoint import load_model, load_search, save_model
+    from aiayn.config import SearchConfig
+    from aiayn.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(preset("tiny", vocab_size=50), activation="swish")).eval()
+    tokenizer = Tokenizer.train([" ".join(f"w{i}" for i in range(46))], [" ".join(f"w{i}" for i in range(46))],
+                                vocab_size=50, kind="word", min_frequency=1)  # fmt: skip
+    save_model(
+        tmp_path / "model", model, tokenizer, SearchConfig(beam_size=5, alpha=1.0, length_penalty="average")
+    )
+    assert (
+        run_cli(["export", tmp_path / "model", "--format", "transformers", "--out", tmp_path / "hf"])[0] == 0
+    )
+    code, out, err = run_cli(["import", tmp_path / "hf", "--out", tmp_path / "back"])
+    assert code == 0, err
+    back = load_model(tmp_path / "back")
+    assert back.config == model.config  # no output bias: the export's is zero
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    assert Tokenizer.load(tmp_path / "back").encode_src(["w3 w9 w44"]) == tokenizer.encode_src(["w3 w9 w44"])
+    search = load_search(tmp_path / "back")
+    assert (search.beam_size, search.alpha, search.length_penalty) == (5, 1.0, "average")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a partial copy
+    (tmp_path / "spm").mkdir()
+    (tmp_path / "spm" / "config.json").write_text("{}")
+    (tmp_path / "spm" / "source.spm").write_bytes(b"")
+    for source, needles in (
+        (tmp_path / "hf", [str(tmp_path / "hf"), "cannot load it"]),
+        (tmp_path / "nothing", [str(tmp_path / "nothing"), "no such directory"]),
+        (tmp_path / "spm", ["SentencePiece"]),
+    ):
+        code, _, err = run_cli(["import", source, "--out", tmp_path / "refused"])
+        assert_one_line_error(code, err, *needles)
+        assert not (tmp_path / "refused").exists()
