@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -514,18 +515,19 @@ def test_init_fine_tunes_a_model_with_its_vocabulary_architecture_and_search(
     """`aiayn train --init MODEL_DIR`: the corpus encoded with the model's vocabulary, its architecture
     (dropout as --set gives it) and its search kept, the run its own (its schedule, budget, checkpoints);
     flags that would change the architecture or the vocabulary are refused before OUT exists."""
+    init = shutil.copytree(served_model, tmp_path / "init")
     out = tmp_path / "tuned"
-    flags = ["--init", served_model, "--max-updates", 2, "--valid-fraction", 0.05, "--set", "dtype=fp32"]
+    flags = ["--init", init, "--max-updates", 2, "--valid-fraction", 0.05, "--set", "dtype=fp32"]
     code, _, stderr = run(
         train_argv(corpus_prefix, out, *flags, "--set", "dropout=0.2", "--set", "beam_size=2")
     )
     assert code == 0, stderr
-    assert (out / "tokenizer.json").read_text() == (served_model / "tokenizer.json").read_text()
-    tuned, init = (json.loads((d / "config.json").read_text()) for d in (out, served_model))
-    assert tuned == {**init, "dropout": 0.2}
+    assert (out / "tokenizer.json").read_text() == (init / "tokenizer.json").read_text()
+    tuned, start = (json.loads((d / "config.json").read_text()) for d in (out, init))
+    assert tuned == {**start, "dropout": 0.2}
     search = json.loads((out / "search.json").read_text())
-    assert search == {**json.loads((served_model / "search.json").read_text()), "beam_size": 2}
-    assert json.loads((out / "run.json").read_text())["init"] == str(served_model.resolve())
+    assert search == {**json.loads((init / "search.json").read_text()), "beam_size": 2}
+    assert json.loads((out / "run.json").read_text())["init"] == str(init.resolve())
     for extra, needles in (
         (["--set", "d_model=32"], ["keeps its model's architecture", "d_model"]),
         (["--vocab-size", 100], ["brings its own vocabulary", "--vocab-size"]),
@@ -534,3 +536,8 @@ def test_init_fine_tunes_a_model_with_its_vocabulary_architecture_and_search(
         code, _, stderr = run(train_argv(corpus_prefix, tmp_path / "refused", *flags, *extra))
         assert_one_line_error(code, stderr, *needles)
         assert not (tmp_path / "refused").exists()
+    # a resume reads its own checkpoint, not the model directory it started from, which may have moved
+    init.rename(tmp_path / "moved")
+    more = [*flags[:2], "--max-updates", 4, *flags[4:], "--set", "dropout=0.2", "--set", "beam_size=2"]  # fmt: skip
+    code, stdout, stderr = run(train_argv(corpus_prefix, out, *more, "--resume"))
+    assert code == 0 and json.loads(stdout)["step"] == 4, stderr

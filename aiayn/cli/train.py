@@ -245,12 +245,15 @@ def train_config(args: argparse.Namespace, preset_name: str, overrides: dict[str
 def starting_model(args: argparse.Namespace, model_overrides: dict[str, Any]):
     """(ModelConfig, Tokenizer) of --init's model directory, or None without --init; a ValueError for a
     directory that holds no model, or flags that would change its architecture or vocabulary."""
-    from aiayn.checkpoint import load_model_config
+    from aiayn.checkpoint import list_checkpoints, load_model_config
     from aiayn.tokenizer import Tokenizer
 
     if args.init is None:
         return None
-    config, tokenizer = load_model_config(args.init), Tokenizer.load(args.init)
+    # a resume reads them from its own last checkpoint: the same, and the model directory may have moved
+    saved = list_checkpoints(args.out) if args.resume else []
+    source = saved[-1] if saved else args.init
+    config, tokenizer = load_model_config(source), Tokenizer.load(source)
     fixed = sorted(set(model_overrides) - FINE_TUNABLE)
     if fixed:
         raise ValueError(
