@@ -236,21 +236,32 @@ def _tied_names(hf) -> set[str]:
     return tied
 
 
-def check_logits(model: Transformer, hf, tolerance: float = CHECK_TOLERANCE) -> None:
-    """A RuntimeError unless hf gives model's log-probabilities (within tolerance) on a padded batch:
-    nothing wrong is ever written."""
-    config = model.config
+def probe_batch(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """(src, tgt_in) in aiayn's ids on which an export or an import is checked: two sentences, one padded."""
     generator = torch.Generator().manual_seed(0)
     src = torch.randint(4, config.src_vocab_size, (2, 7), generator=generator)
     src[:, -1], src[1, 4:] = EOS_ID, torch.tensor([EOS_ID, PAD_ID, PAD_ID])
     tgt_in = torch.randint(4, config.tgt_vocab_size, (2, 5), generator=generator)
     tgt_in[:, 0] = BOS_ID
+    return src, tgt_in
+
+
+def largest_difference(got: Tensor, want: Tensor) -> float:
+    """The largest |got - want| of two log-probability tensors; ids that neither predicts (-inf in both: an
+    imported model's own PAD row) count as equal."""
+    never = want.isneginf() & got.isneginf()
+    return (got - want).masked_fill(never, 0.0).abs().max().item()
+
+
+def check_logits(model: Transformer, hf, tolerance: float = CHECK_TOLERANCE) -> None:
+    """A RuntimeError unless hf gives model's log-probabilities (within tolerance) on a padded batch:
+    nothing wrong is ever written."""
+    src, tgt_in = probe_batch(model.config)
     with torch.no_grad():
         want = model.eval()(src, tgt_in).log_softmax(-1)
         logits = hf(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in).logits
-        got = logits.log_softmax(-1)[..., : config.tgt_vocab_size]
-    never = want.isneginf() & got.isneginf()  # ids neither predicts (an imported model's own PAD row)
-    error = (got - want).masked_fill(never, 0.0).abs().max().item()
+        got = logits.log_softmax(-1)[..., : model.config.tgt_vocab_size]
+    error = largest_difference(got, want)
     if not error <= tolerance:
         raise RuntimeError(
             f"the {type(hf).__name__} export differs from the model by {error:.2e} (> {tolerance:g})"
@@ -550,12 +561,7 @@ def check_imported(
 ) -> None:
     """A ValueError unless model's log-probabilities are hf's (within tolerance) on a padded batch in
     aiayn's ids, each of the model's ids at its own place: nothing wrong is ever written."""
-    config = model.config
-    generator = torch.Generator().manual_seed(0)
-    src = torch.randint(4, config.src_vocab_size, (2, 7), generator=generator)
-    src[:, -1], src[1, 4:] = EOS_ID, torch.tensor([EOS_ID, PAD_ID, PAD_ID])
-    tgt_in = torch.randint(4, config.tgt_vocab_size, (2, 5), generator=generator)
-    tgt_in[:, 0] = BOS_ID
+    src, tgt_in = probe_batch(model.config)
     hf_pad = hf.config.pad_token_id
     to_hf = lambda ids, order: torch.tensor([hf_pad if j is None else j for j in order])[ids]  # noqa: E731
     hf_tgt = torch.tensor([j for j in tgt_order if j is not None])  # the model's ids in aiayn's order
@@ -566,7 +572,7 @@ def check_imported(
         logits = hf.eval()(input_ids=hf_src, attention_mask=src.ne(PAD_ID),
                                    decoder_input_ids=to_hf(tgt_in, tgt_order)).logits  # fmt: skip
         got = logits.log_softmax(-1)[..., hf_tgt]
-    error = (got - want).abs().max().item()
+    error = largest_difference(got, want)
     if not error <= tolerance:
         raise ValueError(
             f"the imported model differs from the {type(hf).__name__} by {error:.2e} (> {tolerance:g})"
@@ -577,10 +583,8 @@ def generation_search(generation) -> SearchConfig:
     """aiayn's search for a transformers GenerationConfig: its beams and its length penalty, which divides by
     |Y|^alpha (aiayn's "average"); the output limit stays aiayn's per-sentence one (input + 50, §6.1), as
     transformers' max_length is one cap for every call."""
-    beams = int(getattr(generation, "num_beams", None) or 1)
-    alpha = float(getattr(generation, "length_penalty", None) or 1.0)
     return SearchConfig(
-        beam_size=beams, n_best=1, alpha=alpha if beams > 1 else 0.6, length_penalty="average"
+        beam_size=generation.num_beams, alpha=float(generation.length_penalty), length_penalty="average"
     )
 
 
