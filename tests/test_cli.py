@@ -516,6 +516,15 @@ def test_init_fine_tunes_a_model_with_its_vocabulary_architecture_and_search(
     (dropout as --set gives it) and its search kept, the run its own (its schedule, budget, checkpoints);
     flags that would change the architecture or the vocabulary are refused before OUT exists."""
     init = shutil.copytree(served_model, tmp_path / "init")
+    own = {
+        "beam_size": 5,
+        "alpha": 1.0,
+        "length_penalty": "average",
+        "max_len_a": 1.0,
+        "max_len_b": 40,
+        "n_best": 1,
+    }
+    (init / "search.json").write_text(json.dumps(own))  # a search no recipe has
     out = tmp_path / "tuned"
     flags = ["--init", init, "--max-updates", 2, "--valid-fraction", 0.05, "--set", "dtype=fp32"]
     code, _, stderr = run(
@@ -525,8 +534,7 @@ def test_init_fine_tunes_a_model_with_its_vocabulary_architecture_and_search(
     assert (out / "tokenizer.json").read_text() == (init / "tokenizer.json").read_text()
     tuned, start = (json.loads((d / "config.json").read_text()) for d in (out, init))
     assert tuned == {**start, "dropout": 0.2}
-    search = json.loads((out / "search.json").read_text())
-    assert search == {**json.loads((init / "search.json").read_text()), "beam_size": 2}
+    assert json.loads((out / "search.json").read_text()) == {**own, "beam_size": 2}
     assert json.loads((out / "run.json").read_text())["init"] == str(init.resolve())
     for extra, needles in (
         (["--set", "d_model=32"], ["keeps its model's architecture", "d_model"]),
@@ -541,3 +549,6 @@ def test_init_fine_tunes_a_model_with_its_vocabulary_architecture_and_search(
     more = [*flags[:2], "--max-updates", 4, *flags[4:], "--set", "dropout=0.2", "--set", "beam_size=2"]  # fmt: skip
     code, stdout, stderr = run(train_argv(corpus_prefix, out, *more, "--resume"))
     assert code == 0 and json.loads(stdout)["step"] == 4, stderr
+    for name in ("search.json", "train.json"):  # the model's search still, for the run's final validation too
+        written = json.loads((out / name).read_text())
+        assert written.get("search", written) == {**own, "beam_size": 2}, name

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -20,6 +20,7 @@ from aiayn.config import (
     PRESETS,
     SEARCH_KEYS,
     ModelConfig,
+    SearchConfig,
     TrainConfig,
     choose,
     from_dict,
@@ -122,11 +123,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         return relaunch_under_torchrun(args)
     values = config_file(args.config) | parse_overrides((ModelConfig, TrainConfig), args.set)
     model_overrides, train_overrides = split_overrides(values, where=args.config or "--set")
-    start = starting_model(args, model_overrides)  # --init's configuration and tokenizer, checked now
+    start = fine_tuning_start(args, model_overrides)  # --init's configuration, tokenizer, search: checked now
     # An unknown preset, a bad override or an impossible model fails now, not after preparing the data
     # (the vocabulary is at most --vocab-size). Without --preset the corpus decides it, once prepared.
     provisional = choose(args.preset or "small", vocab_size=args.vocab_size)  # the corpus may pick another
-    cfg = train_config(args, provisional.preset, train_overrides)
+    cfg = train_config(args, provisional.preset, train_overrides, start and start.search)
     size = provisional.vocab_size
     preset_for_vocabulary(provisional.preset, size, size, True, **model_overrides)
     tokenizer_options(args)  # the tokenizer flags, refused now if they cannot work
@@ -149,7 +150,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run = run or open_run()
         ranks.barrier()
         with run.checking():
-            data = training_data(args, run, cfg, start and start[1]) if ranks.main else None
+            data = training_data(args, run, cfg, start and start.tokenizer) if ranks.main else None
             if not ranks.main:  # rank 0 prepared it: open its copy before it moves into place
                 data = open_prepared(ranks.share(None))
             else:
@@ -161,13 +162,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                 say(
                     f"aiayn: no --preset: {len(data.src):,} training pairs, so --preset {name} (docs/training.md)"
                 )
-            cfg = train_config(args, name, train_overrides)
+            cfg = train_config(args, name, train_overrides, start and start.search)
             init = None
             if start is None:
                 sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
                 model_config = preset_for_vocabulary(name, *sizes, **model_overrides)
             else:  # the model's own architecture, its dropout as --set gives it
-                model_config = dataclasses.replace(start[0], **model_overrides)
+                model_config = dataclasses.replace(start.config, **model_overrides)
                 if not run.resuming:  # (a resume takes its checkpoint's weights)
                     init = load_model(args.init).state_dict()
         vocab = choose(name, vocab_size=args.vocab_size).vocab_size  # what prepare was asked for
@@ -226,26 +227,33 @@ def config_file(path: str | None) -> dict[str, Any]:
     return loaded
 
 
-def train_config(args: argparse.Namespace, preset_name: str, overrides: dict[str, Any]) -> TrainConfig:
-    """The preset's training settings, then --init's model's own search (search.json), then the flags, then
-    --set and --config: the user's win."""
-    from aiayn.checkpoint import load_search
-
+def train_config(
+    args: argparse.Namespace, preset_name: str, overrides: dict[str, Any], search: SearchConfig | None = None
+) -> TrainConfig:
+    """The preset's training settings, then the search of the model a fine-tuning run starts from (its
+    search.json, instead of the recipe's), then the flags, then --set and --config: the user's win."""
     limits = {"max_minutes": args.max_minutes, "max_epochs": args.max_epochs, "max_updates": args.max_updates}
     flags = {k: v for k, v in {**limits, "max_tokens": args.max_tokens}.items() if v is not None}
     preset = dict(recipe(preset_name).train)
-    if args.init is not None:  # the model's search instead of the recipe's
-        search = load_search(args.init)
+    if search is not None:
         preset = {k: v for k, v in preset.items() if k not in SEARCH_KEYS} | {
             k: getattr(search, k) for k in SEARCH_KEYS
         }
     return from_dict(TrainConfig, preset | flags | overrides)
 
 
-def starting_model(args: argparse.Namespace, model_overrides: dict[str, Any]):
-    """(ModelConfig, Tokenizer) of --init's model directory, or None without --init; a ValueError for a
-    directory that holds no model, or flags that would change its architecture or vocabulary."""
-    from aiayn.checkpoint import list_checkpoints, load_model_config
+class FineTuningStart(NamedTuple):
+    """What a fine-tuning run (--init) takes from the model it starts from, besides its weights."""
+
+    config: ModelConfig
+    tokenizer: Any  # aiayn.tokenizer.Tokenizer
+    search: SearchConfig
+
+
+def fine_tuning_start(args: argparse.Namespace, model_overrides: dict[str, Any]) -> FineTuningStart | None:
+    """--init's model directory's configuration, tokenizer and search, or None without --init; a ValueError
+    for a directory that holds no model, or flags that would change its architecture or vocabulary."""
+    from aiayn.checkpoint import list_checkpoints, load_model_config, load_search
     from aiayn.tokenizer import Tokenizer
 
     if args.init is None:
@@ -253,7 +261,7 @@ def starting_model(args: argparse.Namespace, model_overrides: dict[str, Any]):
     # a resume reads them from its own last checkpoint: the same, and the model directory may have moved
     saved = list_checkpoints(args.out) if args.resume else []
     source = saved[-1] if saved else args.init
-    config, tokenizer = load_model_config(source), Tokenizer.load(source)
+    start = FineTuningStart(load_model_config(source), Tokenizer.load(source), load_search(source))
     fixed = sorted(set(model_overrides) - FINE_TUNABLE)
     if fixed:
         raise ValueError(
@@ -266,7 +274,7 @@ def starting_model(args: argparse.Namespace, model_overrides: dict[str, Any]):
     ):
         if given:
             raise ValueError(f"--init {args.init} brings its own vocabulary: {flag} does not apply")
-    return config, tokenizer
+    return start
 
 
 # What a fine-tuning run may change of the model it starts from: its regularisation, not its shape
