@@ -40,24 +40,35 @@ from aiayn.training.run import Progress, Run
 # --- §5.4 Label smoothing ---------------------------------------------------------------------------
 
 
-def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+def label_smoothed_loss(
+    logits: Tensor, target: Tensor, epsilon: float, never: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Summed label-smoothed cross-entropy and summed NLL (detached) over non-pad targets.
 
     logits (B, T, V), target (B, T); or logits (n, V) and target (n,) of the non-pad positions alone.
     The smoothed target spreads epsilon uniformly over all V classes,
     q = (1 - eps) * onehot + eps / V (the paper's eps_ls = 0.1; PyTorch's `label_smoothing` likewise), so
-    -sum q log p = (1 - eps) * NLL + eps / V * sum_v -log p_v. One log-softmax serves both sums. A class
-    whose logit is -inf (an imported model's PAD row, which its output bias rules out) can never be
-    produced and adds nothing, where it would make the sum infinite.
+    -sum q log p = (1 - eps) * NLL + eps / V * sum_v -log p_v. One log-softmax serves both sums.
+    never (V,): classes the model can never produce (never_produced), which add nothing to the sum, where
+    their log-probability of -inf would make it infinite; None (every model aiayn trains) costs nothing.
     """
     V = logits.size(-1)
     lprobs = F.log_softmax(logits.reshape(-1, V).float(), dim=-1)  # (B*T, V)
     gold = target.reshape(-1)  # (B*T,)
     keep = gold != PAD_ID  # (B*T,)
     nll = -lprobs.gather(1, gold.unsqueeze(1)).squeeze(1)  # (B*T,)
-    uniform = -lprobs.masked_fill(lprobs.isneginf(), 0.0).sum(dim=-1)  # (B*T,)
+    uniform = -(lprobs if never is None else lprobs.masked_fill(never, 0.0)).sum(dim=-1)  # (B*T,)
     loss = ((1 - epsilon) * nll + (epsilon / V) * uniform).masked_fill(~keep, 0.0).sum()
     return loss, nll.detach().masked_fill(~keep, 0.0).sum()
+
+
+def never_produced(model: nn.Module) -> Tensor | None:
+    """(V,) True at the classes a model can never produce, -inf in its output bias (an imported model's own
+    PAD row: interop/huggingface.py); None for a model without an output bias."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    bias = model.generator.bias
+    return None if bias is None else bias.detach().isneginf()
 
 
 # --- §5.3 Optimizer and schedule --------------------------------------------------------------------
@@ -492,7 +503,7 @@ def train_step(
     device = micro_batches[0][0].device
     local = 0 if step.dummy else sum(int((tgt_out != PAD_ID).sum()) for _, _, tgt_out in micro_batches)
     n_tokens = int(step.ranks.sum([local], device)[0])
-    loss_total = torch.zeros(())
+    loss_total, never = torch.zeros(()), never_produced(model)
     for j, (src, tgt_in, tgt_out) in enumerate(micro_batches):
         if step.seeds is not None:
             torch.manual_seed(step.seeds[j])
@@ -502,7 +513,7 @@ def train_step(
             with autocast(src.device, cfg.dtype):
                 real = tgt_out != PAD_ID  # (B, T)
                 logits = model(src, tgt_in, where=real)  # (n, V): no vocabulary work on padding
-            loss, _ = label_smoothed_loss(logits, tgt_out[real], cfg.label_smoothing)
+            loss, _ = label_smoothed_loss(logits, tgt_out[real], cfg.label_smoothing, never)
             scaled = (loss * 0.0 if step.dummy else loss) / n_tokens
             (step.scaler.scale(scaled) if step.scaler else scaled).backward()
         if not step.dummy:
@@ -589,7 +600,10 @@ class Validation:
             for batch in make_batches(*lengths, cfg.max_tokens, seed=0, epoch=0):
                 src, tgt_in, tgt_out = (t.to(self.device) for t in collate(src_ids, tgt_ids, batch))
                 real = tgt_out != PAD_ID  # (B, T)
-                loss, nll = label_smoothed_loss(model(src, tgt_in, real), tgt_out[real], cfg.label_smoothing)
+                logits = model(src, tgt_in, real)
+                loss, nll = label_smoothed_loss(
+                    logits, tgt_out[real], cfg.label_smoothing, never_produced(model)
+                )
                 loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
                 tokens += real.sum().item()
         hyps = Translator(model, tokenizer, cfg.valid_search, cfg.dtype).translate(src_text)

@@ -174,3 +174,22 @@ def test_aiayn_import_makes_a_model_directory_of_an_export_and_refuses_what_it_c
         code, _, err = run_cli(["import", source, "--out", tmp_path / "refused"])
         assert_one_line_error(code, err, *needles)
         assert not (tmp_path / "refused").exists()
+
+
+def test_an_imported_model_trains_with_a_finite_loss(tmp_path):
+    """Fine-tuning an OPUS-MT-shaped import: its own PAD row (output bias -inf) is the one class it can
+    never produce, which label smoothing leaves out, so an update's loss is finite and the row stays -inf."""
+    from aiayn.config import TrainConfig
+    from aiayn.training.train import make_optimizer, never_produced, train_step
+
+    model, _, _ = from_transformers(marian(tmp_path))
+    assert never_produced(model).nonzero().flatten().tolist() == [PAD_ID]
+    cfg = TrainConfig(dtype="fp32")
+    tgt = torch.randint(4, V, (2, 6))
+    tgt_in, tgt_out = (
+        torch.cat([torch.full((2, 1), BOS_ID), tgt], 1),
+        torch.cat([tgt, torch.full((2, 1), EOS_ID)], 1),
+    )
+    loss, tokens = train_step(model.train(), make_optimizer(model, cfg), [[torch.randint(4, V, (2, 5)), tgt_in, tgt_out]], 1e-3, cfg)  # fmt: skip
+    assert tokens == 14 and torch.isfinite(torch.tensor(loss))
+    assert torch.isneginf(model.generator.bias[PAD_ID]) and torch.isfinite(model.generator.bias[1:]).all()

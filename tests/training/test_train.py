@@ -84,7 +84,9 @@ def test_a_class_that_can_never_be_produced_takes_no_share_of_the_smoothing():
     logits[..., PAD_ID] = -math.inf
     logits.requires_grad_(True)
     target = torch.tensor([[4, 7, 2, PAD_ID], [5, 2, PAD_ID, PAD_ID]])
-    loss, nll = label_smoothed_loss(logits, target, 0.1)
+    never = torch.zeros(9, dtype=torch.bool)
+    never[PAD_ID] = True  # what never_produced gives for such a model's output bias
+    loss, nll = label_smoothed_loss(logits, target, 0.1, never)
     lprobs = logits.detach().log_softmax(-1)[target != PAD_ID]  # (n, V)
     gold = lprobs.gather(1, target[target != PAD_ID][:, None])[:, 0]
     want = (0.9 * -gold + 0.1 / 9 * -lprobs[:, 1:].sum(-1)).sum()
