@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import assert_one_line_error, run_cli
 
 from aiayn.config import preset
 from aiayn.interop.huggingface import from_transformers, hf_state_dict, id_order, to_transformers
@@ -116,18 +117,7 @@ def test_what_aiayn_cannot_hold_exactly_is_refused_with_its_reason(tmp_path, cha
     hf = transformers.MarianMTModel(transformers.MarianConfig(**config)).eval()
     with pytest.raises(ValueError, match=reason):
         from_transformers(hf)
-    pegasus = transformers.PegasusForConditionalGeneration(
-        transformers.PegasusConfig(
-            vocab_size=20,
-            d_model=16,
-            encoder_layers=1,
-            decoder_layers=1,
-            encoder_attention_heads=2,
-            decoder_attention_heads=2,
-            encoder_ffn_dim=16,
-            decoder_ffn_dim=16,
-        )  # fmt: skip
-    )
+    pegasus = to_transformers(Transformer(dataclasses.replace(preset("tiny", vocab_size=20), norm="pre")))
     with pytest.raises(ValueError, match="imports Marian models"):
         from_transformers(pegasus)
 
@@ -136,8 +126,6 @@ def test_aiayn_import_makes_a_model_directory_of_an_export_and_refuses_what_it_c
     """`aiayn import` of what `aiayn export --format transformers` wrote: a model directory with the model's
     config, weights, vocabulary and search, whose export is the first export again; a damaged or partial
     SOURCE is a one-line error and leaves no OUT."""
-    from conftest import assert_one_line_error, run_cli
-
     from aiayn.checkpoint import load_model, load_search, save_model
     from aiayn.config import SearchConfig
     from aiayn.tokenizer import Tokenizer
