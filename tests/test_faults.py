@@ -430,8 +430,8 @@ def nan_loss_at(update: int, monkeypatch) -> list[int]:
     """Make the loss NaN at one update (no validation data, so every loss call is a training update)."""
     real, calls = train_module.label_smoothed_loss, []
 
-    def patched(logits, target, epsilon):
-        loss, nll = real(logits, target, epsilon)
+    def patched(logits, target, epsilon, never=None):
+        loss, nll = real(logits, target, epsilon, never)
         calls.append(1)
         return (loss * float("nan"), nll) if len(calls) == update else (loss, nll)
 
