@@ -26,7 +26,7 @@ import safetensors.torch
 import torch
 
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig, from_dict, read_json, save_json
-from aiayn.files import atomic_write, check_replaceable, staged_dir, write_set
+from aiayn.files import atomic_write, check_replaceable, staged_dir, write_contents, write_set
 from aiayn.model import Transformer
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -119,8 +119,8 @@ def save_model(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     files = {WEIGHTS: lambda tmp: write_weights(model, tmp)}
-    for name, text in tokenizer.files().items():
-        files[name] = lambda tmp, text=text: tmp.write_text(text, encoding="utf-8")
+    for name, data in tokenizer.files().items():
+        files[name] = lambda tmp, data=data: write_contents(tmp, data)
     if search is not None:
         files[SEARCH] = lambda tmp: save_json(search, tmp)
     files[CONFIG] = lambda tmp: save_json(model.config, tmp)

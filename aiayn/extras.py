@@ -1,5 +1,6 @@
 """The optional packages: a command or flag that needs one refuses, before any work, in one line naming
-the extra of pyproject.toml that installs it (serve, hf, plots, ctranslate2, keras, tensorboard)."""
+the extra of pyproject.toml that installs it (serve, hf, plots, ctranslate2, keras, tensorboard,
+transformers, sentencepiece)."""
 
 from __future__ import annotations
 

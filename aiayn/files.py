@@ -33,6 +33,14 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
     fsync_dir(path.parent)
 
 
+def write_contents(path: Path, data: str | bytes) -> None:
+    """Write bytes as they are, text as UTF-8 (not atomic: for a temporary file that is renamed after)."""
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data, encoding="utf-8")
+
+
 def write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 

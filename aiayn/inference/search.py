@@ -12,6 +12,8 @@ The contract, the same for greedy and beam search:
 - One decoder position per step on the model's key/value cache; log-softmax in float32; sentences
   that are done leave the batch, so no work is spent on them.
 - Scores are log-probabilities divided by a length penalty lp(|Y|), where |Y| counts the EOS token.
+- PAD and BOS are never output (transformers' bad_words_ids for Marian's pad); their probabilities stay
+  inside the softmax, so a score is the model's log-probability.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from torch import Tensor
 from aiayn.config import SearchConfig
 from aiayn.model import DecoderCache, Memory
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+# The first id an output may hold: below it, PAD and BOS, which are inputs only.
+FIRST_OUTPUT = EOS_ID
+assert {PAD_ID, BOS_ID} == set(range(FIRST_OUTPUT)), "the ids search never outputs come first"
 
 
 class Seq2Seq(Protocol):
@@ -272,7 +278,8 @@ def greedy_candidates(logits: Tensor, log_prob: Tensor, limit: Tensor, length: T
     now (EOS or their limit); any_done (), whether there is one (GreedyStep).
     """
     logits = logits.float()
-    best, token = logits.max(dim=-1)  # (B,), (B,)
+    best, token = logits[:, FIRST_OUTPUT:].max(dim=-1)  # (B,), (B,)
+    token = token + FIRST_OUTPUT
     log_prob = log_prob + (best - torch.logsumexp(logits, dim=-1))  # log_softmax at the best token
     done = (token == EOS_ID) | (limit <= length)  # (B,)
     return GreedyStep(token, log_prob, done, done.any())
@@ -401,6 +408,7 @@ def beam_candidates(
     B, N, V = logits.shape
     K = 2 * N
     candidates = torch.log_softmax(logits.float(), dim=-1) + scores[:, :, None]  # (B, N, V)
+    candidates[..., :FIRST_OUTPUT] = -math.inf  # never output
     top, flat = top_k(candidates, K)  # (B, K), best first
     parent = flat // V + N * torch.arange(B, device=logits.device)[:, None]  # (B, K) row in tokens/cache
     token = flat % V  # (B, K)

@@ -166,7 +166,9 @@ class CTranslate2Translator:
     the "average" length penalty, score / |Y|^alpha, so length_penalty="gnmt" (the paper's) is refused
     for beams; and it stops a sentence once beam_size hypotheses have finished, where aiayn goes on
     until no live hypothesis can win, so in rare cases aiayn finds a better-scoring output. With alpha=0
-    both searches are exact and agree. The exported position table has max_positions rows: longer
+    both searches are exact and agree. aiayn never outputs PAD or BOS, keeping their probabilities inside
+    the softmax; CTranslate2's suppress_sequences would renormalise without them and change every score,
+    so they stay allowed here (a trained model gives them almost nothing). The exported position table has max_positions rows: longer
     inputs or output limits are refused (aiayn's sinusoids extend, §3.5).
     """
 

@@ -39,9 +39,20 @@ from torch import Tensor, nn
 
 from aiayn.checkpoint import EXPORT_CONFIG, check_export_out, load_model, load_search
 from aiayn.config import ModelConfig, SearchConfig, save_json
-from aiayn.files import staged_dir
+from aiayn.extras import need
+from aiayn.files import staged_dir, write_contents
 from aiayn.model import Transformer
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, Tokenizer
+from aiayn.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    SPM_FILE,
+    SPM_SRC,
+    SPM_TGT,
+    UNK_ID,
+    Tokenizer,
+)
 
 AIAYN_CONFIG = EXPORT_CONFIG  # our ModelConfig, beside transformers' config.json
 TARGET_TOKENIZER = "target_tokenizer"  # two vocabularies: the target's tokenizer, which decodes outputs
@@ -288,6 +299,7 @@ def generation_config(search: SearchConfig, hf_cfg):
         pad_token_id=PAD_ID,
         decoder_start_token_id=BOS_ID,
         forced_eos_token_id=None,
+        bad_words_ids=[[PAD_ID], [BOS_ID]],  # never output, as in aiayn's search
         no_repeat_ngram_size=0,
         encoder_no_repeat_ngram_size=0,
     )
@@ -321,6 +333,27 @@ def tokenizer_files(tokenizer_json: str, max_positions: int) -> dict[str, str]:
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=1) + "\n"}
 
 
+def marian_tokenizer_files(tokenizer: Tokenizer, max_positions: int) -> dict[str, str | bytes]:
+    """A SentencePiece tokenizer as MarianTokenizer's files: its two models, vocab.json (piece -> aiayn's
+    id, which the export keeps; target_vocab.json too with two vocabularies) and tokenizer_config.json."""
+    files = {"source.spm": tokenizer.files()[SPM_SRC], "target.spm": tokenizer.files()[SPM_TGT]}
+    as_json = lambda pieces: json.dumps({p: i for i, p in enumerate(pieces)}, ensure_ascii=False, indent=1)  # noqa: E731
+    files["vocab.json"] = as_json(tokenizer.src_tokens())
+    if not tokenizer.joint:
+        files[MARIAN_TARGET_VOCABULARY] = as_json(tokenizer.tgt_tokens())
+    config = {
+        "tokenizer_class": "MarianTokenizer",
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "unk_token": SPECIAL_TOKENS[UNK_ID],
+        "pad_token": SPECIAL_TOKENS[PAD_ID],
+        "model_max_length": max_positions,
+        "separate_vocabs": not tokenizer.joint,
+        "clean_up_tokenization_spaces": False,
+    }
+    files["tokenizer_config.json"] = json.dumps(config, indent=1) + "\n"
+    return files
+
+
 def write_transformers(model_dir: Path, directory: Path) -> str:
     """Write the transformers directory of model_dir into directory (existing, empty); its model type."""
     model = load_model(model_dir)
@@ -330,13 +363,23 @@ def write_transformers(model_dir: Path, directory: Path) -> str:
     hf.generation_config = generation_config(search, hf.config)
     hf.save_pretrained(directory, safe_serialization=True)
     files = tokenizer.files()
-    src_json = files.get("tokenizer.json") or files["tokenizer.src.json"]
-    for name, text in tokenizer_files(src_json, model.config.max_positions).items():
-        (directory / name).write_text(text, encoding="utf-8")
-    if not tokenizer.joint:  # outputs are decoded with the target's vocabulary
-        (directory / TARGET_TOKENIZER).mkdir()
-        for name, text in tokenizer_files(files["tokenizer.tgt.json"], model.config.max_positions).items():
-            (directory / TARGET_TOKENIZER / name).write_text(text, encoding="utf-8")
+    if SPM_FILE in files:
+        if hf.config.model_type != "marian":
+            raise ValueError(
+                f"a SentencePiece vocabulary goes with Marian models only; this is {hf.config.model_type!r}"
+            )
+        for name, data in marian_tokenizer_files(tokenizer, model.config.max_positions).items():
+            write_contents(directory / name, data)
+    else:
+        src_json = files.get("tokenizer.json") or files["tokenizer.src.json"]
+        for name, text in tokenizer_files(src_json, model.config.max_positions).items():
+            (directory / name).write_text(text, encoding="utf-8")
+        if not tokenizer.joint:  # outputs are decoded with the target's vocabulary
+            (directory / TARGET_TOKENIZER).mkdir()
+            for name, text in tokenizer_files(
+                files["tokenizer.tgt.json"], model.config.max_positions
+            ).items():
+                (directory / TARGET_TOKENIZER / name).write_text(text, encoding="utf-8")
     save_json(model.config, directory / AIAYN_CONFIG)
     if search.beam_size > 1 and search.length_penalty == "gnmt" and search.alpha > 0:
         print(
@@ -377,8 +420,15 @@ def export_onnx(model_dir: str | Path, out: str | Path, force: bool = False) -> 
             do_validation=False,  # tests/interop compare ONNX Runtime's tokens with aiayn's
             library_name="transformers",
         )
-        for name in ("tokenizer.json", "tokenizer_config.json", AIAYN_CONFIG):
-            shutil.copyfile(Path(hf_dir) / name, tmp / name)
+        tokenizer_files = (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            *MARIAN_VOCABULARY,
+            MARIAN_TARGET_VOCABULARY,
+        )
+        for name in (*tokenizer_files, AIAYN_CONFIG):
+            if (Path(hf_dir) / name).is_file():  # the fast tokenizer's files, or MarianTokenizer's
+                shutil.copyfile(Path(hf_dir) / name, tmp / name)
         if (Path(hf_dir) / TARGET_TOKENIZER).is_dir():
             shutil.copytree(Path(hf_dir) / TARGET_TOKENIZER, tmp / TARGET_TOKENIZER)
     return out
@@ -588,21 +638,109 @@ def generation_search(generation) -> SearchConfig:
     )
 
 
+MARIAN_VOCABULARY = ("source.spm", "target.spm", "vocab.json")  # what MarianTokenizer reads (OPUS-MT's)
+MARIAN_TARGET_VOCABULARY = "target_vocab.json"  # beside them where the model has two vocabularies
+
+
+@dataclasses.dataclass(frozen=True)
+class MarianVocabulary:
+    """An OPUS-MT directory's SentencePiece vocabulary as transformers' MarianTokenizer reads it: two
+    SentencePiece models, vocab.json (piece -> the model's id; target_vocab.json too with two
+    vocabularies), and the special tokens' names (tokenizer_config.json)."""
+
+    source_spm: bytes
+    target_spm: bytes
+    vocab: dict[str, int]
+    target_vocab: dict[str, int] | None
+    specials: dict[str, str]  # "eos", "unk", "pad" -> the token
+    where: Path
+
+    @property
+    def unk_id(self) -> int:
+        return self.vocab[self.specials["unk"]]
+
+    def tokenizer(self, src_order: list[int | None], tgt_order: list[int | None]) -> Tokenizer:
+        """aiayn's SentencePiece tokenizer of it, the pieces in aiayn's id order (id_order)."""
+        src = _pieces(self.vocab, src_order, self.where / "vocab.json")
+        tgt = None if self.target_vocab is None else _pieces(
+            self.target_vocab, tgt_order, self.where / MARIAN_TARGET_VOCABULARY)  # fmt: skip
+        ours = {j: i for i, j in enumerate(src_order) if j is not None}
+        # the special tokens written in the text become the ids MarianTokenizer gives them, in aiayn's order
+        text_specials = {token: ours[self.vocab[token]] for token in self.specials.values()}
+        return Tokenizer.sentencepiece(
+            self.source_spm, self.target_spm, src, tgt, text_specials, str(self.where)
+        )
+
+
+def _pieces(vocab: dict[str, int], order: list[int | None], path: Path) -> list[str]:
+    """One piece per aiayn id: aiayn's names for its specials (ids 0-3), the vocabulary's for the rest; an
+    id the vocabulary does not name gets a name no text can produce (it holds a space)."""
+    piece_of = {j: piece for piece, j in vocab.items()}
+    if len(piece_of) != len(vocab):
+        raise ValueError(f"{path}: two pieces share an id")
+    known = {j for j in order if j is not None}
+    if outside := sorted(set(piece_of) - known):
+        raise ValueError(f"{path}: id {outside[0]} is outside the model's vocabulary of {len(known)}")
+    pieces = [SPECIAL_TOKENS[i] if i in SPECIAL_TOKENS else piece_of.get(j, f"<unused {j}>")
+              for i, j in enumerate(order)]  # fmt: skip
+    if taken := [p for p in pieces[len(SPECIAL_TOKENS) :] if p in SPECIAL_TOKENS.values()]:
+        raise ValueError(f"{path}: the piece {taken[0]!r} is aiayn's special token, at another id")
+    return pieces
+
+
+def read_marian_vocabulary(source: Path) -> MarianVocabulary:
+    """The SentencePiece vocabulary of an OPUS-MT directory; a ValueError naming a missing or broken file."""
+    for name in MARIAN_VOCABULARY:
+        if not (source / name).is_file():
+            raise ValueError(f"{source}: no {name} (an OPUS-MT vocabulary is {', '.join(MARIAN_VOCABULARY)})")
+    tokenizer_config = _json_file(source / "tokenizer_config.json", dict) if (
+        source / "tokenizer_config.json").is_file() else {}  # fmt: skip
+    specials = {}
+    for name, default in (("eos", "</s>"), ("unk", "<unk>"), ("pad", "<pad>")):
+        token = tokenizer_config.get(f"{name}_token", default)
+        specials[name] = token.get("content") if isinstance(token, dict) else token
+    vocabularies = [source / "vocab.json"]
+    if tokenizer_config.get("separate_vocabs"):
+        vocabularies.append(source / MARIAN_TARGET_VOCABULARY)
+    read = []
+    for path in vocabularies:
+        vocab = _json_file(path, dict)
+        if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in vocab.items()):
+            raise ValueError(f"{path}: not a vocabulary (piece -> id)")
+        if missing := [t for t in specials.values() if t not in vocab]:
+            raise ValueError(f"{path}: no {missing[0]!r}, one of the special tokens")
+        read.append(vocab)
+    return MarianVocabulary(
+        (source / "source.spm").read_bytes(), (source / "target.spm").read_bytes(), read[0],
+        read[1] if len(read) > 1 else None, specials, source,
+    )  # fmt: skip
+
+
+def _json_file(path: Path, kind: type):
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not UTF-8 JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, kind):
+        raise ValueError(f"{path}: expected a JSON {kind.__name__}")
+    return data
+
+
 def read_transformers(source: Path) -> tuple:
-    """(model in float32, its tokenizer for aiayn, its generation config) of a local transformers directory;
-    a ValueError naming what is missing, broken or not yet importable."""
+    """(model in float32, its vocabulary: a Tokenizer (aiayn's export's tokenizer.json) or a
+    MarianVocabulary (OPUS-MT's), its generation config) of a local transformers directory; a ValueError
+    naming what is missing, broken or not importable."""
     import transformers
     from safetensors import SafetensorError
 
     if not (source / "config.json").is_file():
         raise ValueError(f"{source}: no config.json, not a transformers model directory")
     if (source / "source.spm").is_file() or (source / "vocab.json").is_file():
-        raise ValueError(
-            f"{source}: a SentencePiece vocabulary (source.spm, vocab.json): aiayn cannot read it yet; "
-            "it imports the transformers directories aiayn's export writes (tokenizer.json)"
-        )
-    target = source / TARGET_TOKENIZER / "tokenizer.json"
-    tokenizer = Tokenizer.from_files(source / "tokenizer.json", target if target.is_file() else None)
+        need("a SentencePiece vocabulary (source.spm)", "sentencepiece", "sentencepiece")
+        vocabulary = read_marian_vocabulary(source)
+    else:
+        target = source / TARGET_TOKENIZER / "tokenizer.json"
+        vocabulary = Tokenizer.from_files(source / "tokenizer.json", target if target.is_file() else None)
     try:
         config = transformers.AutoConfig.from_pretrained(source)
         if config.model_type != "marian":
@@ -612,25 +750,48 @@ def read_transformers(source: Path) -> tuple:
             source / "generation_config.json").is_file() else None  # fmt: skip
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError, SafetensorError) as e:  # a damaged file
         raise ValueError(f"{source}: cannot load it with transformers: {str(e).splitlines()[0]}") from None
-    return hf, tokenizer, generation
+    return hf, vocabulary, generation
+
+
+def fetch_from_hub(name: str) -> Path:
+    """A Hub model's files (those aiayn reads) through huggingface_hub's cache; offline or unknown, a
+    ValueError saying so in one line."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.spm", "*.safetensors", "pytorch_model.bin", TARGET_TOKENIZER + "/*"]
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as e:  # noqa: BLE001 - the hub's errors have no common base; each becomes one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"{name}: not a local directory, and it cannot be fetched from the Hugging Face hub "
+            f"(offline? {first})"
+        ) from None
 
 
 def import_transformers(source: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Write the Marian model of transformers directory SOURCE as an aiayn model directory OUT (config.json,
-    safetensors, tokenizer, search.json), its log-probabilities checked against transformers' first. OUT is
-    made under a temporary name and renamed: a failed import leaves nothing."""
+    """Write the Marian model of transformers directory SOURCE (or of a Hub name, fetched first) as an
+    aiayn model directory OUT (config.json, safetensors, tokenizer, search.json), its log-probabilities
+    checked against transformers' first. OUT is made under a temporary name and renamed: a failed import
+    leaves nothing."""
     from aiayn.checkpoint import save_model
     from aiayn.files import check_replaceable
 
-    source, out = Path(source), Path(out)
-    if not source.is_dir():
-        raise ValueError(
-            f"{source}: no such directory (aiayn imports local transformers directories; fetch a hub model "
-            "with transformers first where the network allows)"
-        )
+    out = Path(out)
     check_replaceable(out, force)
-    hf, tokenizer, generation = read_transformers(source)
-    model, src_order, tgt_order = from_transformers(hf, unk_id=UNK_ID)
+    if Path(source).is_dir():
+        source = Path(source)
+    elif str(source).count("/") == 1 and not Path(source).exists() and not str(source).startswith((".", "/")):
+        source = fetch_from_hub(str(source))
+    else:
+        raise ValueError(f"{source}: no such directory, and not a Hub model name (OWNER/NAME)")
+    hf, vocabulary, generation = read_transformers(source)
+    if isinstance(vocabulary, MarianVocabulary):
+        model, src_order, tgt_order = from_transformers(hf, unk_id=vocabulary.unk_id)
+        tokenizer = vocabulary.tokenizer(src_order, tgt_order)
+    else:
+        model, src_order, tgt_order = from_transformers(hf, unk_id=UNK_ID)
+        tokenizer = vocabulary
     sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     if (len(src_order), len(tgt_order)) != sizes:
         raise ValueError(f"{source}: the model's vocabularies ({len(src_order)}, {len(tgt_order)}) are not its "

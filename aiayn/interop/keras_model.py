@@ -454,7 +454,8 @@ def greedy_translate(
     src_ids: one list of token ids per sentence, EOS-terminated as aiayn's tokenizer makes them
     (`Tokenizer.encode_src`; the tokenizer.json beside the model). max_len: the most output tokens,
     EOS included, for every sentence or one per sentence (aiayn uses floor(1.0 * |source| + 50), §6.1).
-    Returns the output ids of each sentence without BOS and EOS, in input order. The encoder runs once;
+    Returns the output ids of each sentence without BOS and EOS, in input order; PAD and BOS are never
+    output. The encoder runs once;
     the decoder reads the whole prefix at each step (no key/value cache: this is the reference, not
     the fast path).
     """
@@ -475,7 +476,9 @@ def greedy_translate(
     live = np.ones(B, dtype=bool)
     for t in range(T):
         logits = parts.decode(ops.convert_to_tensor(out[:, : t + 1]), memory, src_mask)  # (B, t+1, V)
-        token = ops.convert_to_numpy(ops.argmax(logits[:, -1], axis=-1))  # (B,)
+        scores = ops.convert_to_numpy(logits[:, -1]).astype(np.float32)  # (B, V)
+        scores[:, [parts.src_mask.pad_id, bos_id]] = -np.inf  # inputs only, never output (as aiayn's search)
+        token = scores.argmax(axis=-1)  # (B,)
         out[live, t + 1] = token[live]
         stop = live & ((token == eos_id) | (limits <= t + 1))
         length[stop] = t + 1

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from aiayn.config import SearchConfig, preset
 from aiayn.inference.search import (
+    FIRST_OUTPUT,
     Hypothesis,
     beam_search,
     greedy_search,
@@ -228,7 +229,7 @@ def naive_greedy(model: Transformer, src: Tensor, limit: int) -> list[int]:
     """No cache: the whole prefix through model(src, prefix) every step."""
     prefix = [BOS]
     for _ in range(limit):
-        token = int(model(src, torch.tensor([prefix]))[0, -1].argmax())
+        token = FIRST_OUTPUT + int(model(src, torch.tensor([prefix]))[0, -1, FIRST_OUTPUT:].argmax())
         if token == E:
             break
         prefix.append(token)
@@ -245,7 +246,7 @@ def naive_beam(model: Transformer, src: Tensor, config: SearchConfig, limit: int
         logits = model(src.expand(len(live), -1), prefixes)[:, -1]
         lprobs = torch.log_softmax(logits.float(), dim=-1).tolist()
         candidates = sorted(
-            ((score + lp[v], tokens, v) for (tokens, score), lp in zip(live, lprobs) for v in range(V)),
+            ((score + lp[v], tokens, v) for (tokens, score), lp in zip(live, lprobs) for v in range(FIRST_OUTPUT, V)),
             key=lambda c: -c[0],
         )[: 2 * N]
         for score, tokens, v in candidates[:N]:

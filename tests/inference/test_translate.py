@@ -6,6 +6,7 @@ import torch
 
 from aiayn.config import SearchConfig, preset
 from aiayn.data.synthetic import generate
+from aiayn.inference.search import FIRST_OUTPUT
 from aiayn.inference.translate import Translator
 from aiayn.inference.warmup import classes_up_to, plan
 from aiayn.model import Transformer
@@ -47,7 +48,7 @@ def naive_greedy(model: Transformer, ids: list[int], max_len: int) -> list[int]:
     out = [BOS_ID]
     with torch.no_grad():
         while len(out) - 1 < max_len:
-            token = int(model(src, torch.tensor([out]))[0, -1].argmax())
+            token = FIRST_OUTPUT + int(model(src, torch.tensor([out]))[0, -1, FIRST_OUTPUT:].argmax())
             if token == EOS_ID:
                 break
             out.append(token)

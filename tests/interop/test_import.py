@@ -157,7 +157,7 @@ def test_aiayn_import_makes_a_model_directory_of_an_export_and_refuses_what_it_c
     for source, needles in (
         (tmp_path / "hf", [str(tmp_path / "hf"), "cannot load it"]),
         (tmp_path / "nothing", [str(tmp_path / "nothing"), "no such directory"]),
-        (tmp_path / "spm", ["SentencePiece"]),
+        (tmp_path / "spm", [str(tmp_path / "spm"), "no target.spm"]),
     ):
         code, _, err = run_cli(["import", source, "--out", tmp_path / "refused"])
         assert_one_line_error(code, err, *needles)
