@@ -2,7 +2,9 @@
 on 2 cores), running the CLI in-process, and checking its one-line errors."""
 
 import contextlib
+import gzip
 import io
+import json
 import os
 import socket
 import subprocess
@@ -225,3 +227,84 @@ def fill(disk: Path) -> Path:
     finally:
         os.close(fd)
     return filler
+
+
+# --- OPUS-MT-shaped directories (transformers' Marian with SentencePiece vocabularies) ------------
+
+MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+TAGS = (">>de<<", ">>fr<<")  # OPUS-MT's target-language tags: tokens of their own at a text's start
+
+
+def multi30k_lines(name: str, count: int, skip: int = 0) -> list[str]:
+    with gzip.open(MULTI30K / name, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for _, line in zip(range(skip + count), f)][skip:]
+
+
+def train_spm(texts: list[str], byte_fallback: bool) -> bytes:
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=model, vocab_size=300, model_type="unigram",
+        byte_fallback=byte_fallback, character_coverage=0.98, minloglevel=2,
+    )  # fmt: skip
+    return model.getvalue()
+
+
+def opus_vocab(models: list[bytes]) -> dict[str, int]:
+    """OPUS-MT's order: </s> 0, <unk> 1, the pieces (some left out: a piece the corpus never showed is
+    <unk>), the language tags, <pad> last."""
+    import sentencepiece as spm
+
+    pieces: list[str] = []
+    for model in models:
+        sp = spm.SentencePieceProcessor(model_proto=model)
+        for i in range(sp.get_piece_size()):
+            if not (sp.is_control(i) or sp.is_unknown(i)) and sp.id_to_piece(i) not in pieces:
+                pieces.append(sp.id_to_piece(i))
+    pieces = [p for k, p in enumerate(pieces) if k % 40 != 7]
+    return {p: i for i, p in enumerate(["</s>", "<unk>", *pieces, *TAGS, "<pad>"])}
+
+
+def opus_mt_directory(directory: Path, *, shared: bool, activation: str, dtype: torch.dtype) -> Path:
+    """An OPUS-MT-shaped directory: English source.spm, German target.spm (byte fallback), one vocab.json
+    or two (separate_vocabs; of one size, as transformers' Marian needs), a MarianMTModel whose pad is its
+    decoder start, a non-zero final_logits_bias, saved in dtype, and OPUS-MT's generation config."""
+    import transformers
+
+    directory.mkdir()
+    models = [
+        train_spm(multi30k_lines("train.en.gz", 2000), False),
+        train_spm(multi30k_lines("train.de.gz", 2000), True),
+    ]
+    (directory / "source.spm").write_bytes(models[0])
+    (directory / "target.spm").write_bytes(models[1])
+    vocab = opus_vocab(models)
+    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    extra = {}
+    if not shared:  # the target's own order: the same pieces, reversed between the specials
+        middle = [p for p in vocab if p not in ("</s>", "<unk>", "<pad>")][::-1]
+        target = {p: i for i, p in enumerate(["</s>", "<unk>", *middle, "<pad>"])}
+        (directory / "target_vocab.json").write_text(json.dumps(target, ensure_ascii=False))
+        extra = {"separate_vocabs": True, "target_vocab_file": str(directory / "target_vocab.json")}
+    tokenizer = transformers.MarianTokenizer(
+        str(directory / "source.spm"), str(directory / "target.spm"), str(directory / "vocab.json"), **extra
+    )
+    V = len(vocab)
+    torch.manual_seed(0)
+    config = transformers.MarianConfig(
+        vocab_size=V, decoder_vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4, max_position_embeddings=128,
+        activation_function=activation, pad_token_id=V - 1, decoder_start_token_id=V - 1, eos_token_id=0,
+        share_encoder_decoder_embeddings=shared, tie_word_embeddings=shared, scale_embedding=True,
+    )  # fmt: skip
+    hf = transformers.MarianMTModel(config).eval()
+    with torch.no_grad():
+        hf.final_logits_bias.normal_(0.0, 1.0)
+    hf.generation_config = transformers.GenerationConfig(
+        bad_words_ids=[[V - 1]], bos_token_id=0, decoder_start_token_id=V - 1, eos_token_id=0, max_length=128,
+        num_beams=4, pad_token_id=V - 1,
+    )  # fmt: skip
+    hf.to(dtype).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

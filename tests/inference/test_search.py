@@ -246,7 +246,11 @@ def naive_beam(model: Transformer, src: Tensor, config: SearchConfig, limit: int
         logits = model(src.expand(len(live), -1), prefixes)[:, -1]
         lprobs = torch.log_softmax(logits.float(), dim=-1).tolist()
         candidates = sorted(
-            ((score + lp[v], tokens, v) for (tokens, score), lp in zip(live, lprobs) for v in range(FIRST_OUTPUT, V)),
+            (
+                (score + lp[v], tokens, v)
+                for (tokens, score), lp in zip(live, lprobs)
+                for v in range(FIRST_OUTPUT, V)
+            ),
             key=lambda c: -c[0],
         )[: 2 * N]
         for score, tokens, v in candidates[:N]:

@@ -4,14 +4,11 @@ trained on a slice of Multi30k, a vocab.json in OPUS-MT's order (</s>, <unk>, th
 MarianTokenizer's (reordered), its log-probabilities transformers', its tokens generate's. Skipped without
 the shared Multi30k."""
 
-import gzip
-import io
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_one_line_error, run_cli
+from conftest import MULTI30K, assert_one_line_error, multi30k_lines, opus_mt_directory, run_cli
 
 from aiayn.checkpoint import load_model, load_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
@@ -19,75 +16,7 @@ from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
 
-MULTI30K = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
 pytestmark = pytest.mark.skipif(not (MULTI30K / "train.en.gz").is_file(), reason="no shared Multi30k")
-TAGS = (">>de<<", ">>fr<<")  # OPUS-MT's target-language tags: tokens of their own at a text's start
-
-
-def lines(name: str, count: int, skip: int = 0) -> list[str]:
-    with gzip.open(MULTI30K / name, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for _, line in zip(range(skip + count), f)][skip:]
-
-
-def train_spm(texts: list[str], byte_fallback: bool) -> bytes:
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_writer=model, vocab_size=300, model_type="unigram",
-        byte_fallback=byte_fallback, character_coverage=0.98, minloglevel=2,
-    )  # fmt: skip
-    return model.getvalue()
-
-
-def opus_vocab(models: list[bytes]) -> dict[str, int]:
-    """OPUS-MT's order: </s> 0, <unk> 1, the pieces (some left out: a piece the corpus never showed is
-    <unk>), the language tags, <pad> last."""
-    pieces: list[str] = []
-    for model in models:
-        sp = spm.SentencePieceProcessor(model_proto=model)
-        for i in range(sp.get_piece_size()):
-            if not (sp.is_control(i) or sp.is_unknown(i)) and sp.id_to_piece(i) not in pieces:
-                pieces.append(sp.id_to_piece(i))
-    pieces = [p for k, p in enumerate(pieces) if k % 40 != 7]
-    return {p: i for i, p in enumerate(["</s>", "<unk>", *pieces, *TAGS, "<pad>"])}
-
-
-def opus_mt(directory: Path, *, shared: bool, activation: str, dtype: torch.dtype) -> Path:
-    """An OPUS-MT-shaped directory: English source.spm, German target.spm (byte fallback), one vocab.json
-    or two (separate_vocabs; of one size, as transformers' Marian needs), a MarianMTModel whose pad is its
-    decoder start, a non-zero final_logits_bias, saved in dtype, and OPUS-MT's generation config."""
-    directory.mkdir()
-    models = [train_spm(lines("train.en.gz", 2000), False), train_spm(lines("train.de.gz", 2000), True)]
-    (directory / "source.spm").write_bytes(models[0])
-    (directory / "target.spm").write_bytes(models[1])
-    vocab = opus_vocab(models)
-    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    extra = {}
-    if not shared:  # the target's own order: the same pieces, reversed between the specials
-        middle = [p for p in vocab if p not in ("</s>", "<unk>", "<pad>")][::-1]
-        target = {p: i for i, p in enumerate(["</s>", "<unk>", *middle, "<pad>"])}
-        (directory / "target_vocab.json").write_text(json.dumps(target, ensure_ascii=False))
-        extra = {"separate_vocabs": True, "target_vocab_file": str(directory / "target_vocab.json")}
-    tokenizer = transformers.MarianTokenizer(
-        str(directory / "source.spm"), str(directory / "target.spm"), str(directory / "vocab.json"), **extra
-    )
-    V = len(vocab)
-    torch.manual_seed(0)
-    config = transformers.MarianConfig(
-        vocab_size=V, decoder_vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
-        decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4, max_position_embeddings=128,
-        activation_function=activation, pad_token_id=V - 1, decoder_start_token_id=V - 1, eos_token_id=0,
-        share_encoder_decoder_embeddings=shared, tie_word_embeddings=shared, scale_embedding=True,
-    )  # fmt: skip
-    hf = transformers.MarianMTModel(config).eval()
-    with torch.no_grad():
-        hf.final_logits_bias.normal_(0.0, 1.0)
-    hf.generation_config = transformers.GenerationConfig(
-        bad_words_ids=[[V - 1]], bos_token_id=0, decoder_start_token_id=V - 1, eos_token_id=0, max_length=128,
-        num_beams=4, pad_token_id=V - 1,
-    )  # fmt: skip
-    hf.to(dtype).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module", params=["joint, swish, fp32", "two vocabularies, relu, fp16"])
@@ -95,7 +24,7 @@ def opus(request, tmp_path_factory):
     """(the OPUS-MT directory, MarianTokenizer of it, the aiayn import of it)."""
     shared = request.param.startswith("joint")
     root = tmp_path_factory.mktemp("opus")
-    source = opus_mt(root / "hf", shared=shared, activation=request.param.split(", ")[1],
+    source = opus_mt_directory(root / "hf", shared=shared, activation=request.param.split(", ")[1],
                      dtype=torch.float32 if shared else torch.float16)  # fmt: skip
     code, _, err = run_cli(["import", source, "--out", root / "aiayn"])
     assert code == 0, err
@@ -110,7 +39,7 @@ def texts_to_check() -> list[str]:
         "a >>de<< tag inside", "snowman ☃ and 中文", "</s>", "a </s> b <pad>c<unk>", "<s> is text", "",
         "   ", "two  spaces\tand a tab", "ÆØÅ ß ﬁ ①",
     ]  # fmt: skip
-    return lines("val.en.gz", 1000) + odd
+    return multi30k_lines("val.en.gz", 1000) + odd
 
 
 def marian_ids(tokenizer, texts: list[str], target: bool = False) -> list[list[int]]:
@@ -134,8 +63,10 @@ def test_token_ids_are_marian_tokenizers(opus):
     ours = tokenizer.encode_src(texts)
     assert [[src_of[i] for i in ids] for ids in ours] == marian_ids(marian, texts)
     assert PAD_ID not in {i for ids in ours for i in ids}
-    german = lines("val.de.gz", 1000) + texts[-13:]
-    assert [[tgt_of[i] for i in ids] for ids in tokenizer.encode_tgt(german)] == marian_ids(marian, german, True)
+    german = multi30k_lines("val.de.gz", 1000) + texts[-13:]
+    assert [[tgt_of[i] for i in ids] for ids in tokenizer.encode_tgt(german)] == marian_ids(
+        marian, german, True
+    )
     # decoding: MarianTokenizer's text (where there is no <unk>, which aiayn shows and it leaves out)
     sample = [text for text, ids in zip(german, tokenizer.encode_tgt(german)) if UNK_ID not in ids][:200]
     want = marian.batch_decode(marian_ids(marian, sample, True), skip_special_tokens=True)
@@ -152,7 +83,7 @@ def test_the_import_gives_transformers_tokens_greedy_and_beam(opus):
     source, marian, imported = opus
     hf = transformers.MarianMTModel.from_pretrained(source, torch_dtype=torch.float32).eval()
     translator = Translator.load(imported)
-    texts = lines("val.en.gz", 40, skip=100)
+    texts = multi30k_lines("val.en.gz", 40, skip=100)
     assert load_search(imported).beam_size == 4
     outputs = set()
     for beam in (1, 4):
@@ -219,3 +150,42 @@ def test_a_hub_name_offline_is_a_one_line_error(tmp_path, monkeypatch):
     code, _, err = run_cli(["import", "Helsinki-NLP/opus-mt-en-de", "--out", tmp_path / "out"])
     assert_one_line_error(code, err, "Helsinki-NLP/opus-mt-en-de", "offline")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_imported_model_translates_fine_tunes_and_exports(opus, tmp_path):
+    """The import is an aiayn model like any other: translate (fp32 and int8), fine-tune with --init on
+    Multi30k text encoded by its SentencePiece vocabulary, and export to CTranslate2, whose greedy tokens
+    are aiayn's."""
+    from aiayn.inference.translate import Translator
+    from aiayn.interop.ctranslate2 import CTranslate2Translator
+
+    _, marian, imported = opus
+    (tmp_path / "in.txt").write_text("\n".join(multi30k_lines("val.en.gz", 3)) + "\n")
+    outputs = {}
+    for dtype in ("fp32", "int8"):
+        code, out, err = run_cli(["translate", imported, "--input", tmp_path / "in.txt", "--beam-size", 1,
+                                  "--dtype", dtype, "--no-compile", "--quiet"])  # fmt: skip
+        assert code == 0, err
+        outputs[dtype] = out.splitmulti30k_lines()
+    assert len(outputs["fp32"]) == 3 and all(outputs["fp32"])
+    for lang in ("en", "de"):
+        (tmp_path / f"train.{lang}").write_text(
+            "\n".join(multi30k_lines(f"train.{lang}.gz", 300, skip=5000)) + "\n"
+        )
+    argv = ["train", "--train", tmp_path / "train", "--src-lang", "en", "--tgt-lang", "de", "--out",
+            tmp_path / "tuned", "--init", imported, "--max-updates", 3, "--valid-fraction", 0.1, "--set",
+            "dtype=fp32", "--quiet"]  # fmt: skip
+    code, _, err = run_cli(argv)
+    assert code == 0, err
+    tuned = Tokenizer.load(tmp_path / "tuned")
+    assert tuned.files() == Tokenizer.load(imported).files()  # the imported vocabulary, as it was
+    before, after = load_model(imported).state_dict(), load_model(tmp_path / "tuned").state_dict()
+    assert any(not torch.equal(before[name], after[name]) for name in before)  # it learned
+    assert torch.isneginf(after["generator.bias"][PAD_ID])  # and PAD stays impossible
+    code, _, err = run_cli(["export", imported, "--format", "ctranslate2", "--out", tmp_path / "ct2"])
+    assert code == 0, err
+    ids = Tokenizer.load(imported).encode_src(multi30k_lines("val.en.gz", 10))
+    config = load_search(imported).__class__(beam_size=1)
+    ours = Translator.load(imported, dtype="fp32").translate_ids(ids, config)
+    theirs = CTranslate2Translator(tmp_path / "ct2", threads=1).translate_ids(ids, config)
+    assert [h[0].tokens for h in theirs] == [h[0].tokens for h in ours]
