@@ -25,6 +25,7 @@ from aiayn.tokenizer import Tokenizer
 OPTIONAL = (
     "fastapi", "starlette", "pydantic", "uvicorn", "httptools", "uvloop", "prometheus_client", "datasets",
     "matplotlib", "ctranslate2", "keras", "tensorboard", "transformers", "optimum", "onnx", "onnxruntime",
+    "sentencepiece",
 )  # fmt: skip
 SERVE = ("fastapi", "uvicorn", "prometheus_client")
 # The modules that belong to an extra: the rest of the package is the core
@@ -76,6 +77,9 @@ def workdir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = Transformer(preset("tiny", vocab_size=tokenizer.src_vocab_size, d_model=32, d_ff=64)).eval()
     checkpoint.save_model(root / "model", model, tokenizer)
+    (root / "opus").mkdir()  # what aiayn import recognises as OPUS-MT's, before reading any of it
+    (root / "opus" / "config.json").write_text("{}")
+    (root / "opus" / "source.spm").write_bytes(b"")
     return root
 
 
@@ -127,6 +131,14 @@ REFUSALS = {
     "export --format onnx": (
         ("onnxruntime",), "export {root}/model --format onnx --out {root}/onnx",
         "--format onnx needs the onnxruntime package", "onnx", "onnx",
+    ),
+    "import": (
+        ("transformers",), "import {root}/model --out {root}/imported",
+        "aiayn import needs the transformers package", "transformers", "imported",
+    ),
+    "import of OPUS-MT's": (
+        ("sentencepiece",), "import {root}/opus --out {root}/imported-opus",
+        "a SentencePiece vocabulary (source.spm) needs the sentencepiece package", "sentencepiece", "imported-opus",
     ),
     "export --format keras": (
         ("keras",), "export {root}/model --format keras --out {root}/m.keras",

@@ -39,7 +39,7 @@ EXAMPLES = MappingProxyType(
         "average": "aiayn average runs/de-en --last 5 --out runs/de-en-avg",
         "shortlist": "aiayn shortlist runs/de-en",
         "export": "aiayn export runs/de-en --format ctranslate2 --out runs/de-en-ct2",
-        "import": "aiayn import runs/de-en-hf --out runs/de-en-again",
+        "import": "aiayn import Helsinki-NLP/opus-mt-de-en --out runs/opus-de-en",
         "plot": 'aiayn plot runs/de-en --sentence "Ein Hund rennt."',
         "serve": "aiayn serve runs/de-en --port 8000",
         "demo": "aiayn demo --out runs/demo",

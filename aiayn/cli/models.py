@@ -78,11 +78,14 @@ def add_export(sub: Any) -> None:
 
 
 def add_import(sub: Any) -> None:
-    p = sub.add_parser("import", help="make a model directory of a transformers Marian model")
+    p = sub.add_parser(
+        "import", help="make a model directory of a transformers Marian model (OPUS-MT's, or an aiayn export)"
+    )
     p.add_argument(
         "source",
-        help="a local transformers directory holding a Marian model with a tokenizer.json (what `aiayn export "
-        "--format transformers` writes)",
+        help="a local transformers directory holding a Marian model: OPUS-MT's (source.spm, target.spm, "
+        "vocab.json; the sentencepiece extra) or what `aiayn export --format transformers` writes "
+        "(tokenizer.json); or a Hub name such as Helsinki-NLP/opus-mt-de-en, fetched where the network allows",
     )
     p.add_argument("--out", required=True, help="model directory to write")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -90,7 +93,7 @@ def add_import(sub: Any) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> None:
-    need("import", "transformers", "transformers")
+    need("aiayn import", "transformers", "transformers")
     from aiayn.interop.huggingface import import_transformers
 
     check_writable_dir(args.out)
