@@ -6,6 +6,7 @@ files the benchmarks write, so that a figure there is always one a benchmark mea
     docs/bench_translate_cpu.json  python benchmarks/bench_translate.py ... --results docs/bench_translate_cpu.json
     docs/bench_cold_cpu.json, docs/bench_cold_cpu_avx2.json
                                  python benchmarks/bench_serve.py --cold-start [--isa avx2] --results ...
+    docs/bench_opus_cpu.json     python benchmarks/bench_opus.py --results docs/bench_opus_cpu.json
 
 `python benchmarks/tables.py` rewrites the tables between their markers; `--check` only says whether they
 agree (tests/test_docs.py does the same).
@@ -30,6 +31,7 @@ TRANSLATE = ROOT / "docs" / "bench_translate_cpu.json"
 PERFORMANCE = ROOT / "docs" / "performance.md"
 COLD = ROOT / "docs" / "bench_cold_cpu.json"
 COLD_AVX2 = ROOT / "docs" / "bench_cold_cpu_avx2.json"
+OPUS = ROOT / "docs" / "bench_opus_cpu.json"
 ARROW = {"de-en": "de → en", "en-de": "en → de"}
 MINUTES = (15, 30, 60)
 
@@ -151,6 +153,37 @@ def cold_start(runs: list[dict], full: bool) -> str:
     return "\n".join(lines)
 
 
+def opus(record: dict) -> str:
+    """An OPUS-MT-shaped model (bench_opus.py): aiayn after import against CTranslate2 after
+    ct2-transformers-converter and transformers' generate, sentences/s."""
+    results = record["results"]
+    lines = [
+        "| OPUS-MT shape, sentences/s | aiayn | aiayn compiled | CTranslate2 | transformers generate | "
+        "aiayn's best / CTranslate2 |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    cells = sorted({(r["dtype"], r["search"], r["batch"]) for r in results},
+                   key=lambda c: (c[0] != "fp32", c[1] != "greedy", c[2]))  # fmt: skip
+    for cell in cells:
+        rows = {
+            r["system"]: r["sentences_per_s"]
+            for r in results
+            if (r["dtype"], r["search"], r["batch"]) == cell
+        }
+        ct2 = max((s for s in rows if s.startswith("ctranslate2")), key=rows.get)
+        compiled = rows.get("aiayn compiled")
+        generate = rows.get("transformers generate")
+        dtype, search, batch = cell
+        sentences = "1 sentence" if batch == 1 else f"{batch} sentences a batch"
+        lines.append(
+            f"| {dtype}, {search.replace('beam', 'beam ')}, {sentences} | {rows['aiayn']:.1f} | "
+            f"{f'{compiled:.1f}' if compiled else '-'} | {rows[ct2]:.1f} ({ct2.split()[-1]}) | "
+            f"{f'{generate:.1f}' if generate else '-'} | {max(rows['aiayn'], compiled or 0) / rows[ct2]:.2f}x |"
+        )
+    lines += ["", f"{record['machine']}, {record['date']} (`{record['command']}`)."]
+    return "\n".join(lines)
+
+
 PEERS = {
     "torch.nn": "torch.nn.Transformer",
     "marian": "HF Marian",
@@ -165,7 +198,7 @@ def tables(page: Path = README) -> dict[str, str]:
     """The tables of one page (README.md or docs/performance.md), by name."""
     cold = [read(COLD), read(COLD_AVX2)]
     if page == PERFORMANCE:
-        return {"cold start": cold_start(cold, full=True)}
+        return {"cold start": cold_start(cold, full=True), "opus-mt": opus(read(OPUS))}
     return {
         "quality": quality(read(QUALITY)),
         "speed": speed(read(TRAIN), read(TRANSLATE)),
