@@ -154,8 +154,8 @@ def test_a_hub_name_offline_is_a_one_line_error(tmp_path, monkeypatch):
 
 def test_an_imported_model_translates_fine_tunes_and_exports(opus, tmp_path):
     """The import is an aiayn model like any other: translate (fp32 and int8), fine-tune with --init on
-    Multi30k text encoded by its SentencePiece vocabulary, and export to CTranslate2, whose greedy tokens
-    are aiayn's."""
+    Multi30k text encoded by its SentencePiece vocabulary, average, shortlist, evaluate, and export to
+    CTranslate2, whose greedy tokens are aiayn's."""
     from aiayn.inference.translate import Translator
     from aiayn.interop.ctranslate2 import CTranslate2Translator
 
@@ -166,14 +166,14 @@ def test_an_imported_model_translates_fine_tunes_and_exports(opus, tmp_path):
         code, out, err = run_cli(["translate", imported, "--input", tmp_path / "in.txt", "--beam-size", 1,
                                   "--dtype", dtype, "--no-compile", "--quiet"])  # fmt: skip
         assert code == 0, err
-        outputs[dtype] = out.splitmulti30k_lines()
+        outputs[dtype] = out.splitlines()
     assert len(outputs["fp32"]) == 3 and all(outputs["fp32"])
     for lang in ("en", "de"):
         (tmp_path / f"train.{lang}").write_text(
             "\n".join(multi30k_lines(f"train.{lang}.gz", 300, skip=5000)) + "\n"
         )
     argv = ["train", "--train", tmp_path / "train", "--src-lang", "en", "--tgt-lang", "de", "--out",
-            tmp_path / "tuned", "--init", imported, "--max-updates", 3, "--valid-fraction", 0.1, "--set",
+            tmp_path / "tuned", "--init", imported, "--max-updates", 4, "--valid-fraction", 0.1, "--set", "valid_every=2", "--set",
             "dtype=fp32", "--quiet"]  # fmt: skip
     code, _, err = run_cli(argv)
     assert code == 0, err
@@ -182,6 +182,16 @@ def test_an_imported_model_translates_fine_tunes_and_exports(opus, tmp_path):
     before, after = load_model(imported).state_dict(), load_model(tmp_path / "tuned").state_dict()
     assert any(not torch.equal(before[name], after[name]) for name in before)  # it learned
     assert torch.isneginf(after["generator.bias"][PAD_ID])  # and PAD stays impossible
+    (tmp_path / "ref.txt").write_text("\n".join(multi30k_lines("val.de.gz", 3)) + "\n")
+    for argv in (
+        ["average", tmp_path / "tuned", "--last", 2, "--out", tmp_path / "averaged"],
+        ["shortlist", tmp_path / "tuned"],  # from the run's corpus, encoded with the imported vocabulary
+        ["translate", tmp_path / "tuned", "--input", tmp_path / "in.txt", "--shortlist", "--beam-size", 1],
+        ["evaluate", tmp_path / "averaged", "--src", tmp_path / "in.txt", "--ref", tmp_path / "ref.txt"],
+    ):
+        code, out, err = run_cli([*argv, "--quiet"] if argv[0] in ("translate", "evaluate") else argv)
+        assert code == 0, (argv[0], err)
+    assert "bleu" in json.loads(out.splitlines()[-1])
     code, _, err = run_cli(["export", imported, "--format", "ctranslate2", "--out", tmp_path / "ct2"])
     assert code == 0, err
     ids = Tokenizer.load(imported).encode_src(multi30k_lines("val.en.gz", 10))
