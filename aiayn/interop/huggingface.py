@@ -746,7 +746,9 @@ def read_transformers(source: Path) -> tuple:
         if config.model_type != "marian":
             raise ValueError(f"aiayn imports Marian models; {source} holds a {config.model_type!r} model")
         # "dtype" since transformers 4.56, which warns of "torch_dtype" on every import
-        dtype = {"dtype" if hasattr(transformers.PretrainedConfig(), "dtype") else "torch_dtype": torch.float32}
+        dtype = {
+            "dtype" if hasattr(transformers.PretrainedConfig(), "dtype") else "torch_dtype": torch.float32
+        }
         hf = transformers.MarianMTModel.from_pretrained(source, **dtype).eval()
         generation = transformers.GenerationConfig.from_pretrained(source) if (
             source / "generation_config.json").is_file() else None  # fmt: skip
