@@ -7,10 +7,19 @@ TORCH   := torch==2.13.0
 
 .PHONY: demo test bench gpu-check lint clean
 
+# uv resolves and installs what pip does (the same versions) in seconds instead of a minute and a half,
+# which is a third of the suite's time on 2 cores. It does not read pip's configuration, so the machine's
+# own wheel folders and indexes (`pip config`: a local PyTorch CPU wheel, say) are handed to it; where uv
+# cannot install, pip does.
+PIP_FIND_LINKS_CONFIG := $(shell python3 -m pip config get global.find-links 2>/dev/null)
+PIP_INDEXES_CONFIG := $(shell python3 -m pip config get global.extra-index-url 2>/dev/null)
+UV_SOURCES := --index-strategy unsafe-best-match $(foreach l,$(PIP_FIND_LINKS_CONFIG),--find-links $(l)) \
+	$(foreach i,$(PIP_INDEXES_CONFIG),--extra-index-url $(i))
+
 .venv/.installed-%: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[$*]' $(TORCH)
+	($(PY) -m pip install -q uv && .venv/bin/uv pip install -q --python $(PY) $(UV_SOURCES) -e '.[$*]' $(TORCH)) \
+		|| ($(PY) -m pip install -q $(TORCH) && $(PY) -m pip install -q -e '.[$*]' $(TORCH))
 	touch $@
 
 demo: .venv/.installed-plots
