@@ -199,3 +199,32 @@ def test_an_imported_model_translates_fine_tunes_and_exports(opus, tmp_path):
     ours = Translator.load(imported, dtype="fp32").translate_ids(ids, config)
     theirs = CTranslate2Translator(tmp_path / "ct2", threads=1).translate_ids(ids, config)
     assert [h[0].tokens for h in theirs] == [h[0].tokens for h in ours]
+
+
+def test_an_imported_model_serves_its_translations_and_attention_and_plots(opus, tmp_path):
+    """`aiayn serve`'s app (eager: compiling is the compiled tests') answers with the imported model's own
+    translations, and its attention with the SentencePiece pieces as labels; `aiayn plot` draws them."""
+    from fastapi.testclient import TestClient
+
+    from aiayn.config import SearchConfig, ServeConfig
+    from aiayn.inference.translate import Translator
+    from aiayn.serving.app import create_app
+
+    _, _, imported = opus
+    translator = Translator.load(imported, SearchConfig(beam_size=1), dtype="fp32", compile=False)
+    texts = multi30k_lines("val.en.gz", 2)
+    with TestClient(create_app(translator, ServeConfig(beam_size=1))) as client:
+        response = client.post("/translate", json={"text": texts})
+        assert response.status_code == 200, response.text
+        assert response.json()["translations"] == translator.translate(texts, beam_size=1)
+        body = client.post("/attention", json={"text": texts[0]}).json()
+    src_ids = translator.tokenizer.encode_src(texts[:1])[0]
+    assert body["source_tokens"] == translator.tokenizer.labels(src_ids, "src")
+    assert (
+        body["source_tokens"][-1] == "</s>"
+        and body["translation"] == translator.translate(texts[:1], beam_size=1)[0]
+    )
+    pytest.importorskip("matplotlib")
+    code, _, err = run_cli(["plot", imported, "--sentence", texts[0], "--out", tmp_path / "plots"])
+    assert code == 0, err
+    assert any(p.suffix == ".png" for p in (tmp_path / "plots").iterdir())
