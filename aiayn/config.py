@@ -7,7 +7,7 @@ import functools
 import json
 import math
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -331,13 +331,14 @@ class Recipe:
     train: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # TrainConfig
     vocab_size: int = 8000  # the tokenizer's, when it learns one
     bpe_dropout: float = 0.0  # BPE-dropout of the training pairs' segmentations (prepare.py), 0: none
-    bpe_dropout_minutes: float = 0.0  # ... for a time budget (--max-minutes) of at least this many minutes
+    bpe_dropout_updates: int = 0  # ... for a budget that buys at least this many updates
 
-    def bpe_dropout_for(self, minutes: float) -> float:
-        """The BPE-dropout of a run with this time budget (0: none given). Other segmentations of the same
-        pairs slow learning down (longer sequences, a moving target): they pay when the budget leaves the
-        model the epochs to use them, and cost BLEU when it does not."""
-        return self.bpe_dropout if minutes and minutes >= self.bpe_dropout_minutes else 0.0
+    def bpe_dropout_for(self, updates: int) -> float:
+        """The BPE-dropout of a run whose budget buys this many updates (0: no budget). Other segmentations
+        of the same pairs slow learning down (longer sequences, a moving target): they pay when the budget
+        leaves the model the updates to use them, and cost BLEU when it does not. Updates, not minutes: a
+        minute buys several times more of them on one CPU than on another (training/calibrate.py)."""
+        return self.bpe_dropout if updates and updates >= self.bpe_dropout_updates else 0.0
 
 
 RECIPES: Mapping[str, Recipe] = MappingProxyType(
@@ -351,10 +352,12 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 dict(max_tokens=1024, warmup_steps=400, lr_scale=0.5, alpha=1.0, length_penalty="average")
             ),
             vocab_size=6000,
-            # BPE-dropout 0.1 from an hour: at 60 minutes de->en 44.12 and en->de 40.44 against 42.23
-            # and 39.80 without; at 30 minutes de->en 42.21, within the seeds without (docs/results.md)
+            # BPE-dropout 0.1 from 20,000 updates: 60 minutes on a Zen 5 (23,900-25,600 updates) gave
+            # de->en 44.12 and en->de 40.44 against 42.23 and 39.80 without; its 30 minutes (11,600-12,800)
+            # gave de->en 42.21, within the seeds without, and an hour of a Cascade Lake (11,483 updates)
+            # en->de 38.88, below that Zen 5's 30 minutes without it (39.73, 40.86) (docs/results.md)
             bpe_dropout=0.1,
-            bpe_dropout_minutes=60,
+            bpe_dropout_updates=20_000,
         ),
     }
 )
@@ -380,6 +383,7 @@ class Choice:
     preset: str
     vocab_size: int
     bpe_dropout: float
+    updates: int = 0  # the updates the budget buys, where the choice asked (0: not asked, or no budget)
 
 
 def choose(
@@ -387,21 +391,27 @@ def choose(
     pairs: int | None = None,
     vocab_size: int | None = None,
     bpe_dropout: float | None = None,
-    minutes: float = 0.0,
+    updates: int | Callable[[str], int] = 0,
 ) -> Choice:
     """The preset (the user's, else the one for a corpus of `pairs` training pairs), then its recipe's
-    vocabulary size and BPE-dropout for a time budget of `minutes`, each unless the user gave it.
-    `aiayn train` and `aiayn prepare` both ask here; pairs is None while the corpus is not read yet,
-    and then preset must be named."""
+    vocabulary size and BPE-dropout for a budget that buys `updates` updates (0: none), each unless the
+    user gave it. updates may be a function of the preset (a calibration, training/calibrate.py), asked
+    only where the decision depends on it. `aiayn train` and `aiayn prepare` both ask here; pairs is
+    None while the corpus is not read yet, and then preset must be named."""
     if preset is None:
         if pairs is None:
             raise ValueError("choose: a preset, or the number of training pairs that picks one")
         preset = preset_for_corpus(pairs)
     chosen = recipe(preset)
+    bought = 0
+    if bpe_dropout is None and chosen.bpe_dropout:
+        bought = updates(preset) if callable(updates) else updates
+        bpe_dropout = chosen.bpe_dropout_for(bought)
     return Choice(
         preset,
         chosen.vocab_size if vocab_size is None else vocab_size,
-        chosen.bpe_dropout_for(minutes) if bpe_dropout is None else bpe_dropout,
+        bpe_dropout or 0.0,
+        bought,
     )
 
 

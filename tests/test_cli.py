@@ -93,31 +93,54 @@ def test_without_a_preset_the_corpus_size_picks_one_and_says_so(workdir, tmp_pat
     assert json.loads((tmp_path / "large" / "train.json").read_text())["max_tokens"] == 4096
 
 
-def test_the_recipe_takes_bpe_dropout_for_a_time_budget_of_its_length(workdir, tmp_path):
-    """The low-resource recipe's BPE-dropout is for budgets of bpe_dropout_minutes or more (where it paid):
-    a run given that long prepares other segmentations, one given half (or no budget) does not, a named
-    preset follows the same rule, and --bpe-dropout wins over the recipe."""
+def test_the_recipe_takes_bpe_dropout_for_a_budget_of_enough_updates_measured_here(
+    workdir, tmp_path, monkeypatch
+):
+    """The low-resource recipe's BPE-dropout is for budgets that buy bpe_dropout_updates or more (where it
+    paid): the same --max-minutes on a fast machine (a measured rate, here given) prepares other
+    segmentations and on a slow one does not, each said and kept in run.json; no budget, none; a named
+    preset follows the same rule, and --bpe-dropout wins over the recipe without measuring anything."""
     from aiayn import config
+    from aiayn.training import calibrate
 
     chosen = config.RECIPES["low-resource"]
-    assert chosen.bpe_dropout > 0 and chosen.bpe_dropout_minutes > 0
-    root, long, half = workdir[0], chosen.bpe_dropout_minutes, chosen.bpe_dropout_minutes / 2
+    assert chosen.bpe_dropout > 0 and chosen.bpe_dropout_updates > 0
+    minutes = 0.05  # a budget of 3 seconds: the runs end at once
+    fast, slow = 2 * chosen.bpe_dropout_updates / minutes, chosen.bpe_dropout_updates / 2 / minutes
+    root = workdir[0]
     args = ["train", "--train", root / "train", "--valid", root / "valid", "--src-lang", "en", "--tgt-lang", "xx",
-            "--max-updates", 1, "--set", "dtype=fp32", "--bpe-dropout-views", 2]  # fmt: skip
-    for name, flags, expected in (
-        ("long", ["--max-minutes", long], chosen.bpe_dropout),
-        ("half", ["--max-minutes", half], 0.0),
-        ("none", [], 0.0),
-        ("preset", ["--preset", "low-resource", "--max-minutes", long], chosen.bpe_dropout),
-        ("off", ["--max-minutes", long, "--bpe-dropout", 0], 0.0),
+            "--max-minutes", minutes, "--set", "dtype=fp32", "--bpe-dropout-views", 2]  # fmt: skip
+    for name, rate, flags, expected in (
+        ("fast", fast, [], chosen.bpe_dropout),
+        ("slow", slow, [], 0.0),
+        ("preset", fast, ["--preset", "low-resource"], chosen.bpe_dropout),
+        ("off", fast, ["--bpe-dropout", 0], 0.0),
     ):
+        measured = []
+        monkeypatch.setattr(
+            calibrate,
+            "updates_per_minute",
+            lambda *_, rate=rate, measured=measured: measured.append(rate) or rate,
+        )
         code, _, stderr = run([*args, "--out", tmp_path / name, *flags])
         assert code == 0, stderr
         manifest = json.loads((tmp_path / name / "data" / "manifest.json").read_text())
         assert manifest["bpe_dropout"] == expected, name
         assert len(manifest.get("views", [])) == (2 if expected else 0), name
-        assert ("recipe's for 250 pairs" in stderr) == (name == "long"), name  # says why, when it chose
-    for flags in (["--max-minutes", half], ["--bpe-dropout", 0]):  # source-only, and no BPE-dropout to do
+        budget = json.loads((tmp_path / name / "run.json").read_text()).get("budget")
+        if name == "off":  # the user's choice: nothing measured
+            assert measured == [] and budget is None
+            continue
+        bought = int(rate * minutes)
+        assert budget == {"minutes": minutes, "updates_per_minute": rate, "updates": bought}, name
+        assert f"buys about {bought:,} updates" in stderr, name
+        assert ("recipe's for 250 pairs" in stderr) == (name == "fast"), name  # says why, when it chose
+        assert ("no BPE-dropout: the recipe takes it from" in stderr) == (name == "slow"), name
+    code, _, stderr = run([*args[:-6], "--max-updates", 1, "--out", tmp_path / "none", *args[-4:]])
+    assert code == 0 and "buys about" not in stderr, stderr  # --max-updates: known, not measured
+    assert json.loads((tmp_path / "none" / "data" / "manifest.json").read_text())["bpe_dropout"] == 0.0
+    monkeypatch.setattr(calibrate, "updates_per_minute", lambda *_: slow)
+    for flags in ([], ["--bpe-dropout", 0]):  # source-only, and no BPE-dropout to do
         code, _, stderr = run([*args, "--out", tmp_path / "refused", "--bpe-dropout-source-only", *flags])
         assert code == 2 and "--bpe-dropout-source-only" in stderr and "give --bpe-dropout P" in stderr
         assert "Traceback" not in stderr

@@ -303,13 +303,18 @@ def test_averaging_needs_a_budget_not_the_budget_schedule():
 
 def test_one_function_chooses_the_preset_vocabulary_and_bpe_dropout_unless_the_user_did():
     low = RECIPES["low-resource"]
-    chosen = choose(
-        None, LOW_RESOURCE_PAIRS, minutes=low.bpe_dropout_minutes
-    )  # a corpus this size: low-resource
-    assert chosen == Choice("low-resource", low.vocab_size, low.bpe_dropout)
-    assert (
-        choose(None, LOW_RESOURCE_PAIRS, minutes=low.bpe_dropout_minutes / 2).bpe_dropout == 0.0
-    )  # too short
+    enough = low.bpe_dropout_updates
+    chosen = choose(None, LOW_RESOURCE_PAIRS, updates=enough)  # a corpus this size: low-resource
+    assert chosen == Choice("low-resource", low.vocab_size, low.bpe_dropout, enough)
+    assert choose(None, LOW_RESOURCE_PAIRS, updates=enough - 1).bpe_dropout == 0.0  # too few updates
+    assert choose(None, LOW_RESOURCE_PAIRS).bpe_dropout == 0.0  # no budget
+    # a measurement of the updates, asked once and only where the decision depends on it
+    asked = []
+    measured = lambda name: asked.append(name) or 2 * enough  # noqa: E731
+    assert choose(None, LOW_RESOURCE_PAIRS, updates=measured).bpe_dropout == low.bpe_dropout
+    assert choose("low-resource", bpe_dropout=0.0, updates=measured).bpe_dropout == 0.0  # the user's
+    assert choose("small", updates=measured).bpe_dropout == 0.0  # a recipe without BPE-dropout
+    assert asked == ["low-resource"]
     assert choose(None, LOW_RESOURCE_PAIRS + 1).preset == "small"
     assert choose("base", 10, vocab_size=123, bpe_dropout=0.2) == Choice("base", 123, 0.2)  # the user's win
     with pytest.raises(ValueError, match="unknown preset"):

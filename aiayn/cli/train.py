@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -150,7 +151,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         run = run or open_run()
         ranks.barrier()
         with run.checking():
-            data = training_data(args, run, cfg, start and start.tokenizer) if ranks.main else None
+            bought: dict[str, Any] = {}  # what the budget buys here, once measured
+            budget = budget_updates(args, lambda name: train_config(args, name, train_overrides, start and start.search),
+                                    model_overrides, device, bought)  # fmt: skip
+            data = training_data(args, run, cfg, start and start.tokenizer, budget) if ranks.main else None
             if not ranks.main:  # rank 0 prepared it: open its copy before it moves into place
                 data = open_prepared(ranks.share(None))
             else:
@@ -176,6 +180,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             "separate" if args.separate_vocab else "joint")}  # fmt: skip
         if start is not None:
             settings = {"init": str(Path(args.init).resolve())}  # its vocabulary, not the tokenizer flags
+        if bought:  # what the recipe decided its BPE-dropout by
+            settings["budget"] = bought
         result = train(run, model_config, cfg, data, device, settings, ranks, init)
     finally:
         ranks.close()
@@ -281,10 +287,11 @@ def fine_tuning_start(args: argparse.Namespace, model_overrides: dict[str, Any])
 FINE_TUNABLE = frozenset({"dropout", "attention_dropout"})
 
 
-def training_data(args: argparse.Namespace, run, cfg: TrainConfig, vocabulary=None):
+def training_data(args: argparse.Namespace, run, cfg: TrainConfig, vocabulary=None, budget=0):
     """The prepared corpus to train on: --data as it is; else --train prepared into OUT/data (staged,
     moved into place when the run begins) or, on a resume, OUT/data once it is shown to be that data.
-    vocabulary: --init's tokenizer, which a new run encodes with."""
+    vocabulary: --init's tokenizer, which a new run encodes with; budget: the updates the run's budget
+    buys, or a function of the preset that measures them (budget_updates)."""
     from aiayn.data.prepare import check_same_input, open_prepared
 
     if args.data is not None:
@@ -319,10 +326,43 @@ def training_data(args: argparse.Namespace, run, cfg: TrainConfig, vocabulary=No
         return data
     # A resume of a run from before OUT/data existed prepares with the run's own vocabulary.
     tokenizer = run.saved_tokenizer() if run.resuming else vocabulary
-    return prepare_from(args, run.data_dir, cfg.seed, tokenizer, minutes=cfg.max_minutes)
+    return prepare_from(args, run.data_dir, cfg.seed, tokenizer, updates=budget)
 
 
-def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None, minutes: float = 0.0):
+def budget_updates(
+    args: argparse.Namespace,
+    config_for: Callable[[str], TrainConfig],
+    model_overrides: dict[str, Any],
+    device,
+    record: dict[str, Any],
+) -> Callable[[str], int]:
+    """The updates the run's budget buys with a preset's recipe: --max-updates, or --max-minutes times the
+    updates a minute measured here (training/calibrate.py), whichever is fewer. Measured only when a
+    recipe's choice depends on it; said on the console and kept in `record` (train.json's settings)."""
+
+    def updates(preset_name: str) -> int:
+        cfg = config_for(preset_name)
+        if not cfg.max_minutes:
+            return cfg.max_updates
+        from aiayn.training.calibrate import updates_per_minute
+
+        vocab = choose(preset_name, vocab_size=args.vocab_size).vocab_size
+        model = preset_for_vocabulary(preset_name, vocab, vocab, not args.separate_vocab, **model_overrides)
+        rate = updates_per_minute(model, cfg, device)
+        bought = int(rate * cfg.max_minutes)
+        if cfg.max_updates:
+            bought = min(bought, cfg.max_updates)
+        record.update(minutes=cfg.max_minutes, updates_per_minute=round(rate, 1), updates=bought)
+        say(
+            f"aiayn: --max-minutes {cfg.max_minutes:g} buys about {bought:,} updates of --preset {preset_name} "
+            f"here ({rate:,.0f} a minute, measured)"
+        )
+        return bought
+
+    return updates
+
+
+def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None, updates=0):
     """prepare_files of what --train, --valid, --valid-fraction and the tokenizer flags name, for a
     training run of this time budget (0: none, as `aiayn prepare` knows none)."""
     from aiayn.data.prepare import prepare_files
@@ -338,21 +378,23 @@ def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None
         errors=args.encoding_errors,
         data_files=data_files(args.data_files),
         tokenizer=tokenizer,
-        options=tokenizer_options(args, minutes),
+        options=tokenizer_options(args, updates),
         say=say,
     )
 
 
-def tokenizer_options(args: argparse.Namespace, minutes: float = 0.0):
+def tokenizer_options(args: argparse.Namespace, updates=0):
     """--vocab-size, --tokenizer, --separate-vocab, --tokenizer-sample, --bpe-dropout for a training run
-    of this time budget (the recipe's BPE-dropout depends on it); refused now if they cannot work."""
+    whose budget buys `updates` updates, or a function of the preset that measures them (the recipe's
+    BPE-dropout depends on it); refused now if they cannot work."""
     from aiayn.data.prepare import TokenizerOptions
     from aiayn.tokenizer import Tokenizer
 
     preset_name = getattr(args, "preset", None)  # `aiayn prepare` has no --preset
     vocab_size, bpe_dropout = args.vocab_size, args.bpe_dropout
     if preset_name is not None:  # else prepare chooses, once it knows the corpus's size
-        chosen = choose(preset_name, vocab_size=vocab_size, bpe_dropout=bpe_dropout, minutes=minutes)
+        asked = bpe_dropout if args.tokenizer == "bpe" else 0.0
+        chosen = choose(preset_name, vocab_size=vocab_size, bpe_dropout=asked, updates=updates)
         vocab_size, bpe_dropout = chosen.vocab_size, chosen.bpe_dropout
     Tokenizer.check_options(choose("small", vocab_size=vocab_size).vocab_size, args.tokenizer)
     if args.tokenizer_sample < 1:
@@ -375,7 +417,7 @@ def tokenizer_options(args: argparse.Namespace, minutes: float = 0.0):
         bpe_dropout if args.tokenizer == "bpe" else 0.0,
         views,
         bpe_dropout_target=not args.bpe_dropout_source_only,
-        minutes=minutes,
+        updates=updates,
     )
 
 
@@ -426,8 +468,8 @@ def tokenizer_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="P",
         help="train on segmentations that leave out each BPE merge with probability P (BPE-dropout; "
-        "default: the preset's for the run's time budget: low-resource's 0.1 with --max-minutes 60 or more, "
-        "else 0); validation and translation use plain BPE",
+        "default: the preset's for the updates the run's budget buys, measured here for --max-minutes: "
+        "low-resource's 0.1 from 20,000 updates, else 0); validation and translation use plain BPE",
     )
     p.add_argument(
         "--bpe-dropout-views",

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aiayn.config import choose
+from aiayn.config import choose, recipe
 from aiayn.data.corpus import (
     Corpus,
     Errors,
@@ -190,7 +190,9 @@ class TokenizerOptions:
     bpe_dropout: float | None = None  # None: the recipe's for a corpus of this size; 0: one segmentation
     views: int = VIEWS  # segmentations drawn with BPE-dropout, one per epoch in turn
     bpe_dropout_target: bool = True  # False: BPE-dropout of the source side only, the target as it is
-    minutes: float = 0.0  # the training's time budget (0: none): the recipe's BPE-dropout depends on it
+    # the updates the training's budget buys (0: no budget), or a function of the preset that measures them
+    # (training/calibrate.py): the recipe's BPE-dropout depends on it
+    updates: int | Callable[[str], int] = 0
 
 
 def prepare(
@@ -290,15 +292,22 @@ def _learn_tokenizer(
     out), sized by the recipe for that many pairs unless the options say, and the BPE-dropout to train
     with: (tokenizer, bpe_dropout, why: where the BPE-dropout came from, for the message)."""
     sample = [_Side(pairs, held, _sample(trainable, options.sample, seed), side) for side in (0, 1)]
-    chosen = choose(None, trainable, options.vocab_size, options.bpe_dropout, options.minutes)
+    asked = options.bpe_dropout if options.kind == "bpe" else 0.0  # (a word vocabulary has no merges to drop)
+    chosen = choose(None, trainable, options.vocab_size, asked, options.updates)
     bpe_dropout, why = options.bpe_dropout or 0.0, ""
-    if options.bpe_dropout is None and options.kind == "bpe":
+    budget = f"{chosen.updates:,} updates" if chosen.updates else "no budget"
+    if asked is None:
         bpe_dropout = chosen.bpe_dropout
-        why = f" (the recipe's for {trainable:,} pairs and {options.minutes:g} minutes)"
+        why = f" (the recipe's for {trainable:,} pairs and {budget})"
+        if not bpe_dropout and chosen.updates:
+            least = recipe(chosen.preset).bpe_dropout_updates
+            say(
+                f"no BPE-dropout: the recipe takes it from {least:,} updates, and the budget buys {chosen.updates:,}"
+            )
     if not bpe_dropout and not options.bpe_dropout_target:
         raise ValueError(
-            f"--bpe-dropout-source-only, but the recipe for {trainable:,} pairs and "
-            f"{options.minutes:g} minutes takes no BPE-dropout: give --bpe-dropout P"
+            f"--bpe-dropout-source-only, but the recipe for {trainable:,} pairs and {budget} takes no "
+            "BPE-dropout: give --bpe-dropout P"
         )
     say(f"tokenizer: learning {options.kind} vocab_size {chosen.vocab_size} from {len(sample[0])} pairs")
     tokenizer = Tokenizer.train(*sample, vocab_size=chosen.vocab_size, kind=options.kind, joint=options.joint)
