@@ -23,6 +23,10 @@ Configurations (both directions):
   bpedrop-src at 15, 30 and 60 minutes is de->en's README command (COMMAND): the recipe with
   `--bpe-dropout 0.1 --bpe-dropout-source-only`; en->de's is all.
 
+- updates-6000, updates-12000, updates-24000: the README's command (no --preset) given a number of
+  updates (`--max-updates`) instead of minutes, two seeds: what the recipe buys with a given compute,
+  whatever the CPU; each run's minutes are kept beside it.
+
     python benchmarks/bench_budget.py [--only all-30,before-30,...] [--directions de-en,en-de] [--plot FILE]
 
 Prints a line per run as it ends, then the tables (markdown) and writes the BLEU-against-minutes plot.
@@ -57,7 +61,8 @@ BEFORE = ["--preset", "small", "--vocab-size", "6000", "--max-tokens", "2048",
 RECIPE: list[
     str
 ] = []  # no --preset: 29,000 pairs make `aiayn train` pick low-resource, as the README runs it
-CONFIGS = {  # name: (flags, minutes, seeds)
+UPDATES = (6000, 12000, 24000)  # the budgets in updates
+CONFIGS = {  # name: (flags, minutes, or updates for updates-N, seeds)
     "before-30": (BEFORE + ["--set", "schedule=paper"], 30, (1,)),
     "budget-30": (BEFORE + ["--set", "average_last=0"], 30, (1,)),
     "recipe-30": (RECIPE + ["--set", "schedule=paper", "--set", "average_last=0"], 30, (1,)),
@@ -74,6 +79,7 @@ CONFIGS = {  # name: (flags, minutes, seeds)
         )
         for minutes, seeds in ((15, (1,)), (30, (1, 2)), (60, (1,)))
     },
+    **{f"updates-{n}": (RECIPE, n, (1, 2)) for n in UPDATES},  # a budget in updates, not minutes
 }
 # Each direction's README command: the configuration whose runs make the minutes table and the plot.
 COMMAND = {"de-en": "bpedrop-src", "en-de": "all"}
@@ -120,9 +126,10 @@ def train(direction: str, config: str, seed: int) -> tuple[Path, bool]:
     out = RUNS / run_name(direction, config, seed)
     if finished(out):
         return out, False
+    budget = ["--max-updates" if config.startswith("updates-") else "--max-minutes", str(minutes)]
     command = AIAYN + ["train", "--train", str(MULTI30K / "train"), "--valid", str(MULTI30K / "val"),
                        "--src-lang", src, "--tgt-lang", tgt, "--out", str(out), "--force", "--quiet",
-                       "--max-minutes", str(minutes), *flags, "--set", f"seed={seed}"]  # fmt: skip
+                       *budget, *flags, "--set", f"seed={seed}"]  # fmt: skip
     print("$ " + " ".join(command[2:]), file=sys.stderr, flush=True)
     subprocess.run(command, check=True, cwd=ROOT)
     return out, True
@@ -182,6 +189,7 @@ def summary(out: Path) -> dict:
         "final": final,
         "final_bleu": final["average"]["bleu"] if final["kept"] == "average" else final["single_bleu"],
         "curve": [(r["minutes"], r["valid_bleu"]) for r in records if "valid_bleu" in r],
+        "minutes": max((r["minutes"] for r in records if "minutes" in r), default=None),
     }
 
 
@@ -301,8 +309,21 @@ def main() -> None:
         ]
         every = " / ".join(f"{x:.2f}" for x in recorded(record, direction, f"{COMMAND[direction]}-30"))
         print(f"| {direction} | " + " | ".join(get) + " | " + every + " |")
+    print("\n| direction | " + " | ".join(f"{n:,} updates" for n in UPDATES) + " |")
+    print("|---|---:|---:|---:|")
+    by_updates = {}
+    for direction in directions:
+        runs = {n: [r for r in record["runs"].values() if (r["config"], r["direction"]) == (f"updates-{n}", direction)]
+                for n in UPDATES}  # fmt: skip
+        by_updates[direction] = {n: [r["final_bleu"] for r in rs] for n, rs in runs.items() if rs}
+        row = [
+            " / ".join(f"{r['final_bleu']:.2f} ({r['minutes']:.0f} min)" for r in rs) or "-"
+            for rs in runs.values()
+        ]
+        print(f"| {direction} | " + " | ".join(row) + " |")
     save_record(record)
-    print(json.dumps({"machine": machine(), "minutes": by_direction, "ablation": record["ablation"]}))
+    print(json.dumps({"machine": machine(), "minutes": by_direction, "updates": by_updates,
+                      "ablation": record["ablation"]}))  # fmt: skip
 
 
 if __name__ == "__main__":
