@@ -338,7 +338,7 @@ def budget_updates(
 ) -> Callable[[str], int]:
     """The updates the run's budget buys with a preset's recipe: --max-updates, or --max-minutes times the
     updates a minute measured here (training/calibrate.py), whichever is fewer. Measured only when a
-    recipe's choice depends on it; said on the console and kept in `record` (train.json's settings)."""
+    recipe's choice depends on it; said on the console and kept in `record` (run.json's settings)."""
 
     def updates(preset_name: str) -> int:
         cfg = config_for(preset_name)
@@ -364,7 +364,8 @@ def budget_updates(
 
 def prepare_from(args: argparse.Namespace, dest: Path, seed: int, tokenizer=None, updates=0):
     """prepare_files of what --train, --valid, --valid-fraction and the tokenizer flags name, for a
-    training run of this time budget (0: none, as `aiayn prepare` knows none)."""
+    training run whose budget buys `updates` updates (0: none, as `aiayn prepare` knows none), or a
+    function of the preset that measures them."""
     from aiayn.data.prepare import prepare_files
 
     return prepare_files(
