@@ -420,13 +420,8 @@ def export_onnx(model_dir: str | Path, out: str | Path, force: bool = False) -> 
             do_validation=False,  # tests/interop compare ONNX Runtime's tokens with aiayn's
             library_name="transformers",
         )
-        tokenizer_files = (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            *MARIAN_VOCABULARY,
-            MARIAN_TARGET_VOCABULARY,
-        )
-        for name in (*tokenizer_files, AIAYN_CONFIG):
+        vocabulary = ("tokenizer.json", "tokenizer_config.json", *MARIAN_VOCABULARY, MARIAN_TARGET_VOCABULARY)
+        for name in (*vocabulary, AIAYN_CONFIG):
             if (Path(hf_dir) / name).is_file():  # the fast tokenizer's files, or MarianTokenizer's
                 shutil.copyfile(Path(hf_dir) / name, tmp / name)
         if (Path(hf_dir) / TARGET_TOKENIZER).is_dir():
