@@ -257,8 +257,10 @@ class Tokenizer:
 
     def stale_files(self) -> tuple[str, ...]:
         """The other layouts' file names, which a directory holding this tokenizer must not keep."""
-        mine = self.files().keys()
-        return tuple(name for layout in LAYOUTS for name in layout if name not in mine)
+        mine = (
+            LAYOUTS[2] if isinstance(self._src, SentencePieces) else LAYOUTS[0] if self.joint else LAYOUTS[1]
+        )
+        return tuple(name for layout in LAYOUTS if layout != mine for name in layout)
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:

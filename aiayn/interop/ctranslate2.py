@@ -168,8 +168,8 @@ class CTranslate2Translator:
     until no live hypothesis can win, so in rare cases aiayn finds a better-scoring output. With alpha=0
     both searches are exact and agree. aiayn never outputs PAD or BOS, keeping their probabilities inside
     the softmax; CTranslate2's suppress_sequences would renormalise without them and change every score,
-    so they stay allowed here (a trained model gives them almost nothing). The exported position table has max_positions rows: longer
-    inputs or output limits are refused (aiayn's sinusoids extend, §3.5).
+    so they stay allowed here (a trained model gives them almost nothing). The exported position table
+    has max_positions rows: longer inputs or output limits are refused (aiayn's sinusoids extend, §3.5).
     """
 
     def __init__(

@@ -336,7 +336,8 @@ def tokenizer_files(tokenizer_json: str, max_positions: int) -> dict[str, str]:
 def marian_tokenizer_files(tokenizer: Tokenizer, max_positions: int) -> dict[str, str | bytes]:
     """A SentencePiece tokenizer as MarianTokenizer's files: its two models, vocab.json (piece -> aiayn's
     id, which the export keeps; target_vocab.json too with two vocabularies) and tokenizer_config.json."""
-    files = {"source.spm": tokenizer.files()[SPM_SRC], "target.spm": tokenizer.files()[SPM_TGT]}
+    own = tokenizer.files()
+    files = {"source.spm": own[SPM_SRC], "target.spm": own[SPM_TGT]}
     as_json = lambda pieces: json.dumps({p: i for i, p in enumerate(pieces)}, ensure_ascii=False, indent=1)  # noqa: E731
     files["vocab.json"] = as_json(tokenizer.src_tokens())
     if not tokenizer.joint:
