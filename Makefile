@@ -18,7 +18,7 @@ UV_SOURCES := --index-strategy unsafe-best-match $(foreach l,$(PIP_FIND_LINKS_CO
 
 .venv/.installed-%: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	($(PY) -m pip install -q uv && .venv/bin/uv pip install -q --python $(PY) $(UV_SOURCES) -e '.[$*]' $(TORCH)) \
+	($(PY) -m pip install -q uv && .venv/bin/uv pip install -q --compile-bytecode --python $(PY) $(UV_SOURCES) -e '.[$*]' $(TORCH)) \
 		|| ($(PY) -m pip install -q $(TORCH) && $(PY) -m pip install -q -e '.[$*]' $(TORCH))
 	touch $@
 

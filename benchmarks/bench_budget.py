@@ -80,6 +80,8 @@ CONFIGS = {  # name: (flags, minutes, or updates for updates-N, seeds)
         for minutes, seeds in ((15, (1,)), (30, (1, 2)), (60, (1,)))
     },
     **{f"updates-{n}": (RECIPE, n, (1, 2)) for n in UPDATES},  # a budget in updates, not minutes
+    # regularisers for a short budget, each the recipe plus one change, at the ends of the range
+    **{f"dropout2-updates-{n}": (RECIPE + ["--set", "dropout=0.2"], n, (1,)) for n in UPDATES},
 }
 # Each direction's README command: the configuration whose runs make the minutes table and the plot.
 COMMAND = {"de-en": "bpedrop-src", "en-de": "all"}
@@ -126,7 +128,7 @@ def train(direction: str, config: str, seed: int) -> tuple[Path, bool]:
     out = RUNS / run_name(direction, config, seed)
     if finished(out):
         return out, False
-    budget = ["--max-updates" if config.startswith("updates-") else "--max-minutes", str(minutes)]
+    budget = ["--max-updates" if "updates-" in config else "--max-minutes", str(minutes)]
     command = AIAYN + ["train", "--train", str(MULTI30K / "train"), "--valid", str(MULTI30K / "val"),
                        "--src-lang", src, "--tgt-lang", tgt, "--out", str(out), "--force", "--quiet",
                        *budget, *flags, "--set", f"seed={seed}"]  # fmt: skip
