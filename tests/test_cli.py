@@ -105,7 +105,7 @@ def test_the_recipe_takes_bpe_dropout_for_a_budget_of_enough_updates_measured_he
 
     chosen = config.RECIPES["low-resource"]
     assert chosen.bpe_dropout > 0 and chosen.bpe_dropout_updates > 0
-    minutes = 0.05  # a budget of 3 seconds: the runs end at once
+    minutes = 0.01  # a budget of 0.6 seconds: the runs end at once
     fast, slow = 2 * chosen.bpe_dropout_updates / minutes, chosen.bpe_dropout_updates / 2 / minutes
     root = workdir[0]
     args = ["train", "--train", root / "train", "--valid", root / "valid", "--src-lang", "en", "--tgt-lang", "xx",

@@ -171,27 +171,31 @@ def odd_epoch(out: Path) -> int:
     return len(batch_plan(data.src.lengths, data.tgt.lengths, cfg["max_tokens"], seed=cfg["seed"], epoch=0))
 
 
-def test_torchrun_with_two_ranks_gives_the_weights_of_one_process_accumulating_two(corpus, tmp_path):
-    """Through an epoch of 19 batches: its last update has one, so rank 1 runs a zero-weight batch."""
-    args = flags(corpus, "--max-updates", 12, "--max-tokens", 500)
-    one = aiayn("train", *args, "--out", tmp_path / "one", "--set", "accumulate=2")
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """12 updates of the paper's schedule through an epoch of 19 batches, whose last update has one (rank
+    1 runs a zero-weight batch), trained twice: by `aiayn train --nproc 2` (which runs torchrun itself) in
+    ROOT/ddp, and by one process accumulating two micro-batches an update in ROOT/one. The runs the tests
+    below compare theirs with."""
+    root = tmp_path_factory.mktemp("reference")
+    one = aiayn("train", *flags(corpus, *REFERENCE, "--out", root / "one", "--set", "accumulate=2"))
     assert one.returncode == 0, one.stderr
-    assert odd_epoch(tmp_path / "one") == 19  # an odd tail at update 10
-    logs = tmp_path / "logs"
-    ddp = subprocess.run(
-        torchrun(logs, "train", *args, "--out", tmp_path / "ddp"),
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    assert odd_epoch(root / "one") == 19  # an odd tail at update 10
+    ddp = aiayn("train", *flags(corpus, *REFERENCE, "--out", root / "ddp", "--nproc", 2))
     assert ddp.returncode == 0, ddp.stderr
+    assert ddp.stdout == one.stdout  # the last line, the run's: rank 0's alone (rank 1 prints nothing)
+    return root, one
+
+
+REFERENCE = ("--max-updates", 12, "--max-tokens", 500, *PAPER)
+
+
+def test_torchrun_with_two_ranks_gives_the_weights_of_one_process_accumulating_two(reference):
+    root, _ = reference
     for step in (3, 6, 9, 12):
-        assert weights(tmp_path / "ddp", step) == weights(tmp_path / "one", step)
-    assert rank_output(logs, 1) == ""  # rank 1 writes nothing, prints nothing
-    assert json.loads(rank_output(logs, 0).splitlines()[-1]) == json.loads(one.stdout)
-    assert not [p for p in (tmp_path / "ddp").rglob("*") if p.name.endswith(".tmp")]
-    records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+        assert weights(root / "ddp", step) == weights(root / "one", step)
+    assert not [p for p in (root / "ddp").rglob("*") if p.name.endswith(".tmp")]
+    records = [json.loads(line) for line in (root / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("event") for r in records].count("data") == 1  # one writer
     assert {r["epoch"] for r in records if "valid_bleu" in r} == {0, 1}
 
@@ -210,17 +214,15 @@ def test_a_corpus_of_one_batch_runs_as_one_process(corpus, tmp_path):
     assert weights(tmp_path / "ddp", 3) == weights(tmp_path / "one", 3)
 
 
-def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_bit_for_bit(corpus, tmp_path):
-    # The uninterrupted run, through `aiayn train --nproc 2` (which runs torchrun itself). The paper's
-    # schedule: the interrupted run is given a budget it cannot reach (100,000 updates), and a budget
-    # schedule would follow it; resuming one under its own budget is tested in test_train.py.
-    reference = aiayn(
-        "train", *flags(corpus, "--out", tmp_path / "ref", "--max-updates", 12, "--nproc", 2, *PAPER)
-    )
-    assert reference.returncode == 0, reference.stderr
+def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_bit_for_bit(
+    corpus, reference, tmp_path
+):
+    # The paper's schedule: the interrupted run is given a budget it cannot reach (100,000 updates), and a
+    # budget schedule would follow it; resuming one under its own budget is tested in test_train.py.
+    root, _ = reference
     out, logs = tmp_path / "run", tmp_path / "logs"
     proc = subprocess.Popen(
-        torchrun(logs, "train", *flags(corpus, "--out", out, "--max-updates", 100_000, *PAPER)),
+        torchrun(logs, "train", *flags(corpus, *REFERENCE, "--out", out, "--max-updates", 100_000)),
         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     errors = ""
@@ -242,18 +244,16 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_
     assert checkpoint.load_state(last)["progress"]["step"] == stop["step"]  # resumable, complete
     shutil.copytree(out, tmp_path / "copy")
     resumed = subprocess.run(
-        torchrun(tmp_path / "logs2", "train", *flags(corpus, "--out", out, "--max-updates", 12, "--resume", *PAPER)),
+        torchrun(tmp_path / "logs2", "train", *flags(corpus, *REFERENCE, "--out", out, "--resume")),
         env=ENV, capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
-    assert weights(out, 12) == weights(tmp_path / "ref", 12)
+    assert weights(out, 12) == weights(root / "ddp", 12)
     # One process may take the run on with the same micro-batches per update (2 ranks x 1 = 1 x 2).
-    args = flags(
-        corpus, "--out", tmp_path / "copy", "--max-updates", 12, "--resume", "--set", "accumulate=2", *PAPER
-    )
+    args = flags(corpus, *REFERENCE, "--out", tmp_path / "copy", "--resume", "--set", "accumulate=2")
     one = aiayn("train", *args)
     assert one.returncode == 0, one.stderr
-    assert weights(tmp_path / "copy", 12) == weights(tmp_path / "ref", 12)
+    assert weights(tmp_path / "copy", 12) == weights(root / "ddp", 12)
 
 
 def test_a_rank_that_dies_ends_the_run_instead_of_hanging(corpus, tmp_path):
