@@ -74,6 +74,9 @@ def rank_gradients(rank: int, store: str, per_rank: bool) -> None:
         train_step(ddp, optimizer, [group[rank]], 0.1, TrainConfig(dtype="fp32"), step=step)
     if rank == 0:
         torch.save(optimizer.grads, f"{store}.grads")
+    # neither rank tears gloo's connections down while the other may still use them (a rank that did
+    # once ended the other with SIGABRT)
+    dist.barrier()
     dist.destroy_process_group()
 
 
