@@ -17,7 +17,14 @@ from conftest import eos_heavy_model, fill, fused_attention_calls, sources
 from torch._dynamo.utils import counters
 
 from aiayn.config import SearchConfig
-from aiayn.inference.compiled import TRACED_CODE, CompiledDecoder, fingerprint
+from aiayn.inference.compiled import (
+    TRACED_CODE,
+    CompiledDecoder,
+    _Damaged,
+    _load_stored,
+    _Package,
+    fingerprint,
+)
 from aiayn.inference.search import search
 from aiayn.model import Transformer
 
@@ -116,19 +123,33 @@ DAMAGES = {
 }
 
 
-@pytest.mark.parametrize("damage", ["truncated", "corrupted", "foreign"])
-def test_a_damaged_package_is_compiled_again_with_one_line_saying_so(model, store, tmp_path, capsys, damage):
-    """A store file that is not a whole package of its graph (truncated, bits flipped, another graph's) is
-    a cache miss: that graph alone is compiled again and its file replaced (a new file renamed over it),
-    with one line on stderr naming it, and the search gives eager's hypotheses; a decoder made later loads
-    the new file without compiling. (PyTorch's loader raises a RuntimeError on a truncated file, runs
-    another graph's package on inputs it was not compiled for, and checks no checksum of the library it
-    loads: flipped bytes there crash the process or go unnoticed. Greedy search's own work for one live
-    sentence is the graph damaged: the smallest to compile again.)"""
+# What the store's check says of each
+REASONS = {"truncated": "not a whole package", "corrupted": "not a whole package", "foreign": "a package of "}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_store_file_that_is_not_a_whole_package_of_its_graph_is_damaged(store, tmp_path, damage):
+    """Every way a store file can be wrong is found before PyTorch loads it (its loader raises a
+    RuntimeError on a truncated file, runs another graph's package on inputs it was not compiled for, and
+    checks no checksum of the library it loads: flipped bytes there crash the process or go unnoticed)."""
+    (target,) = store.glob("greedy-1-*.pt2")
+    (other,) = store.glob("greedy-2-*.pt2")
+    damaged = tmp_path / target.name
+    damaged.write_bytes(DAMAGES[damage](target.read_bytes(), other.read_bytes()))
+    with pytest.raises(_Damaged, match=REASONS[damage]):
+        _load_stored(damaged)
+    assert isinstance(_load_stored(target), _Package)  # the whole one loads
+
+
+def test_a_damaged_package_is_compiled_again_with_one_line_saying_so(model, store, tmp_path, capsys):
+    """A store file that is damaged (here: bits flipped in the middle of its library) is a cache miss: that
+    graph alone is compiled again and its file replaced (a new file renamed over it), with one line on
+    stderr naming it, and the search gives eager's hypotheses; a decoder made later loads the new file
+    without compiling. (Greedy search's own work for one live sentence is the graph damaged: the smallest
+    to compile again.)"""
     damaged = shutil.copytree(store, tmp_path / "store")
     (target,) = damaged.glob("greedy-1-*.pt2")
-    (other,) = damaged.glob("greedy-2-*.pt2")
-    target.write_bytes(DAMAGES[damage](target.read_bytes(), other.read_bytes()))
+    target.write_bytes(flipped(target.read_bytes()))
     files = {p.name: p.stat().st_ino for p in damaged.iterdir()}
     capsys.readouterr()
     decoder = CompiledDecoder(model, store=damaged)
