@@ -29,6 +29,7 @@ QUALITY = ROOT / "docs" / "m30k_budget.json"
 TRAIN = ROOT / "docs" / "bench_train_cpu.json"
 TRANSLATE = ROOT / "docs" / "bench_translate_cpu.json"
 PERFORMANCE = ROOT / "docs" / "performance.md"
+RESULTS = ROOT / "docs" / "results.md"
 COLD = ROOT / "docs" / "bench_cold_cpu.json"
 COLD_AVX2 = ROOT / "docs" / "bench_cold_cpu_avx2.json"
 OPUS = ROOT / "docs" / "bench_opus_cpu.json"
@@ -70,6 +71,54 @@ def quality(record: dict) -> str:
         f"{record['anchor']}",
     ]
     return "\n".join(lines)
+
+
+# The recipe's runs by the updates they made: the budgets bench_budget.py gives in updates, and a run given
+# minutes counted at the budget its updates came within a tenth of
+UPDATES = (6000, 12000, 24000)
+CPUS = {"family 25 model 17": "Zen 4", "family 26 model 2": "Zen 5"}  # AMD EPYC families and models
+
+
+def cpu_name(machine: str) -> str:
+    """A run's CPU, short: the AMD EPYC's core generation where known, else the machine as recorded."""
+    return next((f"AMD EPYC {name}" for key, name in CPUS.items() if key in machine), machine)
+
+
+def by_updates(record: dict) -> str:
+    """Validation BLEU of the recipe as `aiayn train` runs it with no --preset (configurations all-M and
+    updates-N, the BPE-dropout the recipe takes for the run's updates), a row a run, by the updates it
+    made: a budget in updates buys the same training on every CPU, and the minutes it took are its CPU's."""
+    rows = []
+    for r in record["runs"].values():
+        config = r["config"]
+        if not (config.startswith("updates-") or config.startswith("all-")) or "not comparable" in r.get(
+            "note", ""
+        ):
+            continue
+        budget = next((n for n in UPDATES if abs(r.get("updates", 0) - n) <= n / 10), None)
+        if budget is None:
+            continue
+        minutes = r.get("minutes", minutes_of(config) if config.startswith("all-") else None)
+        rows.append(
+            (r["direction"], budget, r["updates"], r["final_bleu"], minutes, cpu_name(r["machine"]), r)
+        )
+    lines = [
+        "| direction | budget | updates | validation BLEU | minutes | CPU | given |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for direction, budget, updates, bleu, minutes, cpu, r in sorted(rows, key=lambda row: row[:3]):
+        given = (
+            f"--max-updates {budget}" if r["config"].startswith("updates-") else f"--max-minutes {minutes:g}"
+        )
+        lines.append(
+            f"| {ARROW[direction]} | {budget:,} | {updates:,} | {bleu:.2f} | {minutes:.1f} | {cpu} | `{given}` |"
+        )
+    return "\n".join(lines)
+
+
+def minutes_of(config: str) -> float:
+    """The budget of a configuration given in minutes: "all-30" -> 30."""
+    return float(config.rsplit("-", 1)[1])
 
 
 def speed(train: dict, translate: dict) -> str:
@@ -199,6 +248,8 @@ def tables(page: Path = README) -> dict[str, str]:
     cold = [read(COLD), read(COLD_AVX2)]
     if page == PERFORMANCE:
         return {"cold start": cold_start(cold, full=True), "opus-mt": opus(read(OPUS))}
+    if page == RESULTS:
+        return {"updates": by_updates(read(QUALITY))}
     return {
         "quality": quality(read(QUALITY)),
         "speed": speed(read(TRAIN), read(TRANSLATE)),
@@ -226,7 +277,7 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="only say whether the tables are current")
     args = p.parse_args()
     stale = []
-    for page in (README, PERFORMANCE):
+    for page in (README, PERFORMANCE, RESULTS):
         text = page.read_text(encoding="utf-8")
         new = rendered(text, page)
         if new != text:

@@ -146,7 +146,7 @@ def test_every_relative_link_and_image_resolves():
 
 
 def test_the_tables_of_figures_are_the_results_files():
-    """The README's quality, speed and cold-start tables and performance.md's cold-start table are what
+    """The README's quality, speed and cold-start tables, performance.md's and results.md's are what
     benchmarks/tables.py renders from the results files: a figure changed by hand, or a results file
     re-measured without rendering, fails here."""
     spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
@@ -156,9 +156,11 @@ def test_the_tables_of_figures_are_the_results_files():
     assert tables.rendered(readme) == readme, "README.md's tables differ: python benchmarks/tables.py"
     edited = readme.replace("| de → en | ", "| de → en | 1", 1)
     assert tables.rendered(edited) == readme
-    performance = ROOT / "docs" / "performance.md"
-    text = performance.read_text(encoding="utf-8")
-    assert tables.rendered(text, performance) == text, "performance.md's table differs: benchmarks/tables.py"
+    for page in (ROOT / "docs" / "performance.md", ROOT / "docs" / "results.md"):
+        text = page.read_text(encoding="utf-8")
+        assert tables.rendered(text, page) == text, (
+            f"{page.name}'s tables differ: python benchmarks/tables.py"
+        )
 
 
 # How the project was made is for git log, not for its files.
