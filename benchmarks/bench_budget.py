@@ -26,6 +26,8 @@ Configurations (both directions):
 - updates-6000, updates-12000, updates-24000: the README's command (no --preset) given a number of
   updates (`--max-updates`) instead of minutes, two seeds: what the recipe buys with a given compute,
   whatever the CPU; each run's minutes are kept beside it.
+- dropout2-updates-6000, -12000, -24000: the same with the model's dropout 0.2 instead of 0.1
+  (`--set dropout=0.2`), one seed: a regulariser that costs nothing per update, for the short budgets.
 
     python benchmarks/bench_budget.py [--only all-30,before-30,...] [--directions de-en,en-de] [--plot FILE]
 

@@ -7,7 +7,11 @@ target tokens per second for forward + backward + optimizer step (median of alte
 peak RSS (one child process per cell), and model FLOPs utilisation against the measured GEMM peak.
 aiayn with its own length bucketing is reported on its own line, labelled as such.
 
-    python benchmarks/bench_train.py [--configs small,base] [--dtypes fp32,bf16] [--reps 5]
+`--configs low-resource` measures the recipe's shape for small corpora (d_model 128, 4 layers a side,
+a 6,000-token vocabulary) on the same batches; `--profile` adds what aiayn's update is made of (the
+output layer's, the dropout masks' and Adam's shares of its operators' time, and the top operators).
+
+    python benchmarks/bench_train.py [--configs small,base,low-resource] [--dtypes fp32,bf16] [--reps 5] [--profile]
 The last line printed is JSON with every figure and ratio.
 """
 
@@ -176,6 +180,41 @@ def run_child(system: str, config: str, dtype: str, bucket: bool) -> None:
     for batch in tensors(src, tgt, batches[:3]):
         step(batch)
     print(peak_rss_mb())
+
+
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
+
+
+def cpu_profile(step, batches, vocab: int, rows: int = 15) -> tuple[dict, str]:
+    """What aiayn's update is made of on the CPU: the shares of its operators' own time spent on the output
+    layer (the products with a side as long as the vocabulary, and the softmax and loss over it), on the
+    dropout masks (model.Dropout's random bits) and in Adam's step (all of it), and torch.profiler's
+    operators by their own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for batch in batches:
+        step(batch)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for batch in batches:
+            step(batch)
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    total = sum(e.self_cpu_time_total for e in by_shape)
+
+    def share(events, keep) -> float:
+        return sum(e.self_cpu_time_total for e in events if keep(e)) / total
+
+    def output_layer(e) -> bool:
+        vocabulary = e.key in MATMULS and any(vocab in shape for shape in e.input_shapes if shape)
+        return vocabulary or "log_softmax" in e.key or "nll_loss" in e.key
+
+    adam = sum(e.cpu_time_total for e in prof.key_averages() if e.key.startswith("Optimizer.step#"))
+    shares = {
+        "output_layer": share(by_shape, output_layer),
+        "dropout_masks": share(by_shape, lambda e: e.key == "aten::random_"),
+        "adam": adam / total,
+    }
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    return shares, table
 
 
 # --- On CUDA -------------------------------------------------------------------------------------------
@@ -407,7 +446,9 @@ def main() -> None:
         "--max-tokens", help=f"CUDA: padded target tokens per batch, each a cell ({CUDA_BUDGETS})"
     )
     ap.add_argument(
-        "--profile", action="store_true", help="CUDA: torch.profiler of aiayn at the largest batch"
+        "--profile",
+        action="store_true",
+        help="torch.profiler of aiayn's updates (CUDA: at the largest batch; CPU: each config and dtype)",
     )
     ap.add_argument(
         "--isa",
@@ -446,7 +487,7 @@ def main() -> None:
     peaks = {d: gemm_peak({"fp32": torch.float32, "bf16": torch.bfloat16}[d]) for d in dtypes}
     print(f"machine: {machine()}")
     print("GEMM peak (torch.matmul): " + ", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in peaks.items()))
-    results, steal0 = [], steal_ticks()
+    results, profiles, steal0 = [], {}, steal_ticks()
     for config in args.configs.split(","):
         shape = CONFIGS[config]
         src, tgt = workload(shape["vocab"], 4000)
@@ -481,6 +522,14 @@ def main() -> None:
                     base = name.split(" ")[0]
                     row["peak_rss_mb"] = child_rss(base, config, dtype, bucket=name != base)
                 results.append(row)
+            if args.profile:
+                shares, table = cpu_profile(steps["aiayn"], fixed_n, shape["vocab"])
+                profiles[f"{config}/{dtype}"] = shares
+                print(
+                    f"\nprofile of aiayn's updates, {config} {dtype}: "
+                    + ", ".join(f"{name} {100 * value:.0f}%" for name, value in shares.items())
+                    + f"\n{table}"
+                )
     print_table(results)
     summary = ratios(results)
     for line in summary["lines"]:
@@ -494,6 +543,7 @@ def main() -> None:
         "ratios": summary["ratios"],
         "steal_s_total": (steal_ticks() - steal0) / 100,
         "notes": notes,
+        **({"profiles": profiles} if profiles else {}),
     }
     print(json.dumps(report))
     save_results(args.results, report)

@@ -25,6 +25,8 @@ PAD, BOS, EOS = 0, 1, 2
 CONFIGS = {
     "base": dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6, vocab=10000),
     "small": dict(d_model=256, n_heads=4, d_ff=1024, n_layers=3, vocab=8000),
+    # the recipe's for corpora of 10k-200k pairs (config.PRESETS), at its vocabulary size
+    "low-resource": dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, vocab=6000),
 }
 
 
