@@ -21,7 +21,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_budget import COMMAND  # noqa: E402  (each direction's README command: its runs make the table)
+from bench_budget import (  # noqa: E402  (the README commands, whose runs make the table; a run's minutes)
+    COMMAND,
+    minutes_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -114,11 +117,6 @@ def by_updates(record: dict) -> str:
             f"| {ARROW[direction]} | {budget:,} | {updates:,} | {bleu:.2f} | {minutes:.1f} | {cpu} | `{given}` |"
         )
     return "\n".join(lines)
-
-
-def minutes_of(config: str) -> float:
-    """The budget of a configuration given in minutes: "all-30" -> 30."""
-    return float(config.rsplit("-", 1)[1])
 
 
 def speed(train: dict, translate: dict) -> str:
