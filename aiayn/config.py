@@ -352,10 +352,8 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 dict(max_tokens=1024, warmup_steps=400, lr_scale=0.5, alpha=1.0, length_penalty="average")
             ),
             vocab_size=6000,
-            # BPE-dropout 0.1 from 20,000 updates: 60 minutes on a Zen 5 (23,900-25,600 updates) gave
-            # de->en 44.12 and en->de 40.44 against 42.23 and 39.80 without; its 30 minutes (11,600-12,800)
-            # gave de->en 42.21, within the seeds without, and an hour of a Cascade Lake (11,483 updates)
-            # en->de 38.88, below that Zen 5's 30 minutes without it (39.73, 40.86) (docs/results.md)
+            # BPE-dropout 0.1 from 20,000 updates: it paid at about 24,000 and not at about 12,000, in
+            # both directions (benchmarks/bench_budget.py; docs/results.md, by updates)
             bpe_dropout=0.1,
             bpe_dropout_updates=20_000,
         ),
