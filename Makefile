@@ -10,7 +10,8 @@ TORCH   := torch==2.13.0
 # uv resolves and installs what pip does (the same versions) in seconds instead of a minute and a half,
 # which is a third of the suite's time on 2 cores. It does not read pip's configuration, so the machine's
 # own wheel folders and indexes (`pip config`: a local PyTorch CPU wheel, say) are handed to it; where uv
-# cannot install, pip does.
+# cannot install, pip does. Unlike pip, uv writes no bytecode unless told: where PYTHONDONTWRITEBYTECODE
+# is set, every Python process the suite starts would compile torch's sources again on import.
 PIP_FIND_LINKS_CONFIG := $(shell python3 -m pip config get global.find-links 2>/dev/null)
 PIP_INDEXES_CONFIG := $(shell python3 -m pip config get global.extra-index-url 2>/dev/null)
 UV_SOURCES := --index-strategy unsafe-best-match $(foreach l,$(PIP_FIND_LINKS_CONFIG),--find-links $(l)) \
