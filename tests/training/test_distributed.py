@@ -174,8 +174,11 @@ def odd_epoch(out: Path) -> int:
     return len(batch_plan(data.src.lengths, data.tgt.lengths, cfg["max_tokens"], seed=cfg["seed"], epoch=0))
 
 
+REFERENCE = ("--max-updates", 12, "--max-tokens", 500, *PAPER)
+
+
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+def reference(corpus, tmp_path_factory) -> Path:
     """12 updates of the paper's schedule through an epoch of 19 batches, whose last update has one (rank
     1 runs a zero-weight batch), trained twice: by `aiayn train --nproc 2` (which runs torchrun itself) in
     ROOT/ddp, and by one process accumulating two micro-batches an update in ROOT/one. The runs the tests
@@ -187,14 +190,11 @@ def reference(corpus, tmp_path_factory) -> tuple[Path, subprocess.CompletedProce
     ddp = aiayn("train", *flags(corpus, *REFERENCE, "--out", root / "ddp", "--nproc", 2))
     assert ddp.returncode == 0, ddp.stderr
     assert ddp.stdout == one.stdout  # the last line, the run's: rank 0's alone (rank 1 prints nothing)
-    return root, one
-
-
-REFERENCE = ("--max-updates", 12, "--max-tokens", 500, *PAPER)
+    return root
 
 
 def test_torchrun_with_two_ranks_gives_the_weights_of_one_process_accumulating_two(reference):
-    root, _ = reference
+    root = reference
     for step in (3, 6, 9, 12):
         assert weights(root / "ddp", step) == weights(root / "one", step)
     assert not [p for p in (root / "ddp").rglob("*") if p.name.endswith(".tmp")]
@@ -222,7 +222,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_
 ):
     # The paper's schedule: the interrupted run is given a budget it cannot reach (100,000 updates), and a
     # budget schedule would follow it; resuming one under its own budget is tested in test_train.py.
-    root, _ = reference
+    root = reference
     out, logs = tmp_path / "run", tmp_path / "logs"
     proc = subprocess.Popen(
         torchrun(logs, "train", *flags(corpus, *REFERENCE, "--out", out, "--max-updates", 100_000)),
