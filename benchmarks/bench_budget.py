@@ -28,6 +28,7 @@ Configurations (both directions):
   whatever the CPU; each run's minutes are kept beside it.
 - dropout2-updates-6000, -12000, -24000: the same with the model's dropout 0.2 instead of 0.1
   (`--set dropout=0.2`), one seed: a regulariser that costs nothing per update, for the short budgets.
+- smoothing2-updates-6000, -12000, -24000: the same with label smoothing 0.2 instead of 0.1.
 
     python benchmarks/bench_budget.py [--only all-30,before-30,...] [--directions de-en,en-de] [--plot FILE]
 
@@ -84,6 +85,7 @@ CONFIGS = {  # name: (flags, minutes, or updates for updates-N, seeds)
     **{f"updates-{n}": (RECIPE, n, (1, 2)) for n in UPDATES},  # a budget in updates, not minutes
     # regularisers for a short budget, each the recipe plus one change, at the ends of the range
     **{f"dropout2-updates-{n}": (RECIPE + ["--set", "dropout=0.2"], n, (1,)) for n in UPDATES},
+    **{f"smoothing2-updates-{n}": (RECIPE + ["--set", "label_smoothing=0.2"], n, (1,)) for n in UPDATES},
 }
 # Each direction's README command: the configuration whose runs make the minutes table and the plot.
 COMMAND = {"de-en": "bpedrop-src", "en-de": "all"}
