@@ -200,8 +200,8 @@ def cpu_profile(step, batches, vocab: int, rows: int = 15) -> tuple[dict, str]:
     by_shape = prof.key_averages(group_by_input_shape=True)
     total = sum(e.self_cpu_time_total for e in by_shape)
 
-    def share(events, keep) -> float:
-        return sum(e.self_cpu_time_total for e in events if keep(e)) / total
+    def share(keep) -> float:
+        return sum(e.self_cpu_time_total for e in by_shape if keep(e)) / total
 
     def output_layer(e) -> bool:
         vocabulary = e.key in MATMULS and any(vocab in shape for shape in e.input_shapes if shape)
@@ -209,8 +209,8 @@ def cpu_profile(step, batches, vocab: int, rows: int = 15) -> tuple[dict, str]:
 
     adam = sum(e.cpu_time_total for e in prof.key_averages() if e.key.startswith("Optimizer.step#"))
     shares = {
-        "output_layer": share(by_shape, output_layer),
-        "dropout_masks": share(by_shape, lambda e: e.key == "aten::random_"),
+        "output_layer": share(output_layer),
+        "dropout_masks": share(lambda e: e.key == "aten::random_"),
         "adam": adam / total,
     }
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
