@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -53,7 +54,12 @@ def serve(
         raise
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it", host)
-    with listener, tempfile.TemporaryDirectory(prefix="aiayn-ct2-") as scratch:
+    # the export's directory only for the engine that reads it: a server stopped by SIGKILL leaves its
+    # temporary directory behind
+    scratch_dir = (
+        tempfile.TemporaryDirectory(prefix="aiayn-ct2-") if engine == "ctranslate2" else nullcontext()
+    )
+    with listener, scratch_dir as scratch:
         other = None
         if engine == "ctranslate2":  # the exported model translates; attention stays with PyTorch
             from aiayn.interop.ctranslate2 import CTranslate2Translator, export_ctranslate2
