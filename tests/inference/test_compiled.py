@@ -81,9 +81,9 @@ def test_one_graph_serves_every_source_length_and_batch_of_its_class(decoders):
     of sentences of the class run without tracing again; a batch of many sentences (8 and more) must, its
     class being a graph of its own (the check can fail)."""
     model, compiled = decoders
+    # a few sentences, ending at different steps (the last one live alone): compiled here if not yet
+    search(compiled, sources(5, 9, seed=6), SearchConfig(beam_size=1, max_len_b=20))
     config = SearchConfig(beam_size=1, max_len_b=7)
-    search(compiled, sources(5, 9, seed=1), config)  # a few sentences: compiled here if not yet
-    search(compiled, sources(1, 9, seed=3), config)  # and the search's own work of one live sentence
     seconds = compiled.compile_seconds
     with torch.compiler.set_stance("fail_on_recompile"):
         for batch, width in ((6, 4), (7, 23), (2, 12)):
@@ -99,10 +99,11 @@ def test_one_graph_serves_every_source_length_and_batch_of_its_class(decoders):
 def test_a_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decoders, beam_size):
     """search.beam_candidates and search.greedy_candidates, compiled: the same hypotheses as eager, and
     sentences leaving the batch (5, 4, ... 1 live) or another vocabulary size of the logits run without
-    tracing them again. (5 sentences of beam 1 and 4: the first test's rows, whose graphs it made.)"""
+    tracing them again. (Batches of a few sentences of beam 1 and 4: the first test's rows, whose graphs it
+    made; their sentences end at different steps, down to one live.)"""
     model, compiled = decoders
     config = SearchConfig(beam_size=beam_size, n_best=beam_size, max_len_b=20)
-    for src in (sources(5, 9, seed=8), sources(1, 7, seed=9)):
+    for src in (sources(5, 9, seed=8), sources(3, 7, seed=9)):
         want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
         assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want
     name = "beam" if beam_size > 1 else "greedy"
@@ -140,15 +141,19 @@ def test_on_a_cpu_compiled_graphs_write_attention_out(decoders):
     assert fused_attention_calls(compiled, src, config) == 0
 
 
-def test_a_batch_over_max_sentences_decodes_eagerly(decoders):
-    model, _ = decoders
-    compiled = CompiledDecoder(model, max_sentences=2, max_autotune=False)
+def test_a_batch_over_max_sentences_decodes_eagerly(decoders, monkeypatch):
+    """The fixture's decoder told to compile batches of at most 2 sentences (its beam graphs, which the
+    tests above made, are reused rather than compiled again for a decoder of its own)."""
+    model, compiled = decoders
+    monkeypatch.setattr(compiled, "max_sentences", 2)
     src = sources(3, 9, seed=3)
-    config = SearchConfig(beam_size=2, n_best=2, max_len_b=20)
+    config = SearchConfig(beam_size=4, n_best=4, max_len_b=20)
     want = [[h.tokens for h in hyps] for hyps in search(model, src, config)]
+    calls = []
+    monkeypatch.setattr(compiled, "calls", calls)
     assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want
     # no graph of the model (beam search's own work is compiled once its live sentences fit)
-    assert {key[0] for key in compiled._seen} <= {"beam"}
+    assert calls and {key[0] for key in calls} <= {"beam"}
 
 
 def test_compiled_int8_returns_eager_int8_tokens(decoders):
@@ -191,7 +196,7 @@ def test_a_shortlist_keeps_the_compiled_decoders_own_step_work(decoders, monkeyp
     decoder that decodes every batch eagerly (max_sentences=0), which shows the forwarding alone."""
     model, compiled = decoders
     shortlist = Shortlist(torch.tensor([1, 2, 3]), torch.arange(V)[:, None])  # a source token allows itself
-    src = sources(1, 7, seed=9)
+    src = sources(3, 7, seed=9)  # a few sentences: the class whose graphs the tests above made
     for decoder, config, work in (
         (compiled, SearchConfig(beam_size=1, max_len_b=20), "greedy_candidates"),
         (CompiledDecoder(model, max_sentences=0), SearchConfig(beam_size=4, max_len_b=20), "beam_candidates"),
