@@ -507,7 +507,7 @@ def reference_run(tmp_path: Path) -> tuple[Path, list]:
         "--set",
         "valid_every=1",
         "--valid",
-        write_parallel(tmp_path / "v", SRC[200:], TGT[200:]),
+        write_parallel(tmp_path / "v", SRC[200:220], TGT[200:220]),
     ]
     code, _, stderr = run(*tiny_train(prefix, tmp_path / "ref", *flags))
     assert code == 0, stderr
@@ -589,7 +589,7 @@ def test_outputs_on_a_full_disk_are_one_line_and_keep_what_they_replace(small_di
     a model's vmap.txt, on a full disk: one line naming the file and what to do; what they would have
     replaced byte for byte as it was."""
     prefix = write_parallel(tmp_path / "c", SRC[:200], TGT[:200])
-    valid = write_parallel(tmp_path / "v", SRC[200:], TGT[200:])
+    valid = write_parallel(tmp_path / "v", SRC[200:220], TGT[200:220])
     run_dir = tmp_path / "run"
     flags = ["--max-updates", 2, "--set", "valid_every=1", "--valid", valid]
     code, _, stderr = run(*tiny_train(prefix, run_dir, *flags))

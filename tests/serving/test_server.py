@@ -47,7 +47,7 @@ def translator(model_dir):
 
 
 def client_for(translator, **limits) -> TestClient:
-    options = {k: limits.pop(k) for k in ("api_key", "cors_origins") if k in limits}
+    options = {k: limits.pop(k) for k in ("api_key", "cors_origins", "compile_workers") if k in limits}
     return TestClient(create_app(translator, ServeConfig(**limits), **options))
 
 
@@ -319,9 +319,11 @@ def test_a_compiled_server_answers_at_once_and_moves_to_its_graphs_as_they_come(
 def test_a_server_can_hold_readiness_until_its_graphs_are_in(model_dir, translator):
     """--ready-when-compiled (for a deployment behind a readiness probe): /health answers 503 "starting"
     until the graphs are in, while /translate answers anyway. (The graphs are those the test above made:
-    the store is the test run's, so the workers load them.)"""
+    the store is the test run's, so the worker loads them; one worker, a process start fewer.)"""
     compiled = Translator.load(model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu", compile=True)
-    with client_for(compiled, batch_sentences=1, timeout_s=300, ready_when_compiled=True) as c:
+    with client_for(
+        compiled, batch_sentences=1, timeout_s=300, ready_when_compiled=True, compile_workers=1
+    ) as c:
         first = c.get("/health")
         assert error_of(first, 503, "starting") and first.headers["Retry-After"]
         response = c.post("/translate", json={"text": INPUTS[:1]})
@@ -341,7 +343,7 @@ def test_a_worker_that_fails_is_said_and_the_server_goes_on_eagerly(model_dir):
     with torch.no_grad():
         compiled.model.tgt_embed.tokens.weight[EOS_ID] *= 2
     eager = Translator(compiled.model, compiled.tokenizer, SearchConfig(beam_size=4), "fp32")
-    with client_for(compiled, batch_sentences=1, timeout_s=300) as c:
+    with client_for(compiled, batch_sentences=1, timeout_s=300, compile_workers=1) as c:
         deadline = time.monotonic() + 120
         while (progress := c.get("/info").json()["compiled"])["state"] == "compiling":
             assert time.monotonic() < deadline, progress
