@@ -60,30 +60,34 @@ class PerRankNormalised(Ranks):
         return values if all(float(v).is_integer() for v in values) else super().sum(values, device)
 
 
-def rank_gradients(rank: int, store: str, per_rank: bool) -> None:
+def rank_gradients(rank: int, store: str) -> None:
+    """Both ways of normalising, one after the other, in one process group (two process starts fewer)."""
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
     torch.set_num_threads(1)
-    ranks = (PerRankNormalised if per_rank else Ranks)(rank, 2, 0)
-    model, updates = setup()
-    optimizer = RecordingSGD(model)
-    ddp = ranks.wrap(model.train())
-    for u, group in enumerate(updates):
-        step = Step(0.1, seeds=[dropout_seed(1, u + 1, rank)], ranks=ranks)
-        train_step(ddp, optimizer, [group[rank]], 0.1, TrainConfig(dtype="fp32"), step=step)
-    if rank == 0:
-        torch.save(optimizer.grads, f"{store}.grads")
+    for per_rank in (False, True):
+        ranks = (PerRankNormalised if per_rank else Ranks)(rank, 2, 0)
+        model, updates = setup()
+        optimizer = RecordingSGD(model)
+        ddp = ranks.wrap(model.train())
+        for u, group in enumerate(updates):
+            step = Step(0.1, seeds=[dropout_seed(1, u + 1, rank)], ranks=ranks)
+            train_step(ddp, optimizer, [group[rank]], 0.1, TrainConfig(dtype="fp32"), step=step)
+        if rank == 0:
+            torch.save(optimizer.grads, f"{store}.grads-{per_rank}")
     # neither rank tears gloo's connections down while the other may still use them (a rank that did
     # once ended the other with SIGABRT)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def two_rank_gradients(tmp_path: Path, per_rank: bool) -> list[list[torch.Tensor]]:
-    store = str(tmp_path / f"store-{per_rank}")
-    mp.spawn(rank_gradients, args=(store, per_rank), nprocs=2, join=True)
-    return torch.load(f"{store}.grads")
+def two_rank_gradients(tmp_path: Path) -> dict[bool, list[list[torch.Tensor]]]:
+    """Rank 0's recorded gradients, normalised by the ranks' tokens together (False) and by each rank's own
+    (True)."""
+    store = str(tmp_path / "store")
+    mp.spawn(rank_gradients, args=(store,), nprocs=2, join=True)
+    return {per_rank: torch.load(f"{store}.grads-{per_rank}") for per_rank in (False, True)}
 
 
 def test_two_ranks_give_the_gradient_of_one_process_accumulating_two(tmp_path):
@@ -94,12 +98,13 @@ def test_two_ranks_give_the_gradient_of_one_process_accumulating_two(tmp_path):
         step = Step(0.1, seeds=[dropout_seed(1, u + 1, j) for j in range(2)])
         train_step(model, optimizer, group, 0.1, TrainConfig(dtype="fp32"), step=step)
     want = optimizer.grads
-    got = two_rank_gradients(tmp_path, per_rank=False)
+    gradients = two_rank_gradients(tmp_path)
+    got = gradients[False]
     for update, (a, b) in enumerate(zip(got, want)):
         for p, q in zip(a, b):
             torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"update {update}")  # bit for bit
     # The check has teeth: normalising by each rank's own tokens gives other gradients.
-    wrong = two_rank_gradients(tmp_path, per_rank=True)
+    wrong = gradients[True]
     assert any(not torch.allclose(p, q, rtol=1e-3) for p, q in zip(wrong[0], want[0]))
 
 
