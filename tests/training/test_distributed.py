@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import RecordingSGD
+from conftest import RecordingSGD, run_cli
 
 from aiayn import checkpoint
 from aiayn.config import TrainConfig, preset
@@ -186,15 +186,17 @@ REFERENCE = ("--max-updates", 12, "--max-tokens", 500, *PAPER)
 def reference(corpus, tmp_path_factory) -> Path:
     """12 updates of the paper's schedule through an epoch of 19 batches, whose last update has one (rank
     1 runs a zero-weight batch), trained twice: by `aiayn train --nproc 2` (which runs torchrun itself) in
-    ROOT/ddp, and by one process accumulating two micro-batches an update in ROOT/one. The runs the tests
-    below compare theirs with."""
+    ROOT/ddp, and by one process (this one: a process start fewer) accumulating two micro-batches an update
+    in ROOT/one. The runs the tests below compare theirs with."""
     root = tmp_path_factory.mktemp("reference")
-    one = aiayn("train", *flags(corpus, *REFERENCE, "--out", root / "one", "--set", "accumulate=2"))
-    assert one.returncode == 0, one.stderr
+    code, stdout, stderr = run_cli(
+        ["train", *flags(corpus, *REFERENCE, "--out", root / "one", "--set", "accumulate=2")]
+    )
+    assert code == 0, stderr
     assert odd_epoch(root / "one") == 19  # an odd tail at update 10
     ddp = aiayn("train", *flags(corpus, *REFERENCE, "--out", root / "ddp", "--nproc", 2))
     assert ddp.returncode == 0, ddp.stderr
-    assert ddp.stdout == one.stdout  # the last line, the run's: rank 0's alone (rank 1 prints nothing)
+    assert ddp.stdout == stdout  # the last line, the run's: rank 0's alone (rank 1 prints nothing)
     return root
 
 
@@ -211,8 +213,8 @@ def test_torchrun_with_two_ranks_gives_the_weights_of_one_process_accumulating_t
 def test_a_corpus_of_one_batch_runs_as_one_process(corpus, tmp_path):
     """Every update has one micro-batch for two ranks: rank 1 always runs a zero-weight one; no hang."""
     args = flags(corpus, "--train", corpus / "one", "--max-updates", 3)
-    one = aiayn("train", *args, "--out", tmp_path / "one", "--set", "accumulate=2")
-    assert one.returncode == 0, one.stderr
+    code, _, stderr = run_cli(["train", *args, "--out", tmp_path / "one", "--set", "accumulate=2"])
+    assert code == 0, stderr
     assert odd_epoch(tmp_path / "one") == 1
     ddp = subprocess.run(
         torchrun(tmp_path / "logs", "train", *args, "--out", tmp_path / "ddp"),
@@ -259,8 +261,8 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_update_and_the_run_resumes_
     assert weights(out, 12) == weights(root / "ddp", 12)
     # One process may take the run on with the same micro-batches per update (2 ranks x 1 = 1 x 2).
     args = flags(corpus, *REFERENCE, "--out", tmp_path / "copy", "--resume", "--set", "accumulate=2")
-    one = aiayn("train", *args)
-    assert one.returncode == 0, one.stderr
+    code, _, stderr = run_cli(["train", *args])
+    assert code == 0, stderr
     assert weights(tmp_path / "copy", 12) == weights(root / "ddp", 12)
 
 
