@@ -9,7 +9,7 @@ from aiayn import checkpoint
 
 
 def test_the_demo_trains_scores_draws_and_continues(tmp_path):
-    code, stdout, stderr = run_cli(["demo", "--out", tmp_path, "--minutes", 0.1])
+    code, stdout, stderr = run_cli(["demo", "--out", tmp_path, "--minutes", 0.05])
     assert code == 0, stderr
     result = json.loads(stdout.splitlines()[-1])
     assert 0 <= result["valid_bleu"] <= 100 and "tok:13a" in result["signature"]
@@ -26,7 +26,7 @@ def test_the_demo_trains_scores_draws_and_continues(tmp_path):
     # more time than the run has used (its clock counts validation too, which a GPU's start-up can make
     # longer than the first budget): it goes on
     used = checkpoint.load_state(checkpoint.list_checkpoints(tmp_path / "model")[-1])["progress"]["minutes"]
-    code, stdout, stderr = run_cli(["demo", "--out", tmp_path, "--minutes", used + 0.1])
+    code, stdout, stderr = run_cli(["demo", "--out", tmp_path, "--minutes", used + 0.05])
     assert code == 0, stderr
     records = [json.loads(line) for line in (tmp_path / "model" / "metrics.jsonl").read_text().splitlines()]
     assert [r["event"] for r in records if r.get("event") in ("resume",)] == ["resume"]
