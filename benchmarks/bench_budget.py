@@ -87,7 +87,7 @@ CONFIGS = {  # name: (flags, minutes, or updates for updates-N, seeds)
     **{f"dropout2-updates-{n}": (RECIPE + ["--set", "dropout=0.2"], n, (1,)) for n in UPDATES},
     **{f"smoothing2-updates-{n}": (RECIPE + ["--set", "label_smoothing=0.2"], n, (1,)) for n in UPDATES},
 }
-# Each direction's README command: the configuration whose runs make the minutes table and the plot.
+# Each direction's README command: the configuration whose runs make the README's table and the plot.
 COMMAND = {"de-en": "bpedrop-src", "en-de": "all"}
 NAMES = {"bpedrop-src": "the recipe, source-side BPE-dropout", "all": "the recipe"}
 
