@@ -54,7 +54,7 @@ def quality(record: dict) -> str:
         config = r["config"]
         timed = config.startswith(f"{command}-") and config[len(command) + 1 :].isdigit()
         given = command == "all" and config.startswith("updates-")  # en -> de's command, given updates
-        budget = next((n for n in UPDATES if abs(r.get("updates", 0) - n) <= n / 10), None)
+        budget = budget_of(r)
         if (timed or given) and budget is not None and "not comparable" not in r.get("note", ""):
             minutes = minutes_of(config) if timed else r["minutes"]
             runs.append((r["direction"], budget, cpu_name(r["machine"]), minutes, r))
@@ -98,6 +98,11 @@ UPDATES = (6000, 12000, 24000)
 CPUS = {"family 25 model 17": "Zen 4", "family 26 model 2": "Zen 5"}  # AMD EPYC families and models
 
 
+def budget_of(run: dict) -> int | None:
+    """The budget in UPDATES a run's updates came within a tenth of, or None."""
+    return next((n for n in UPDATES if abs(run.get("updates", 0) - n) <= n / 10), None)
+
+
 def cpu_name(machine: str) -> str:
     """A run's CPU, short: the AMD EPYC's core generation where known, else the machine as recorded."""
     return next((f"AMD EPYC {name}" for key, name in CPUS.items() if key in machine), machine)
@@ -114,7 +119,7 @@ def by_updates(record: dict) -> str:
             "note", ""
         ):
             continue
-        budget = next((n for n in UPDATES if abs(r.get("updates", 0) - n) <= n / 10), None)
+        budget = budget_of(r)
         if budget is None:
             continue
         minutes = r.get("minutes", minutes_of(config) if config.startswith("all-") else None)
