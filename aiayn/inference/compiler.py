@@ -17,13 +17,15 @@ process, because none is made at all.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shlex
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from math import prod
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -56,10 +58,11 @@ def may_choose_template(rows: int | None) -> bool:
 
 @contextlib.contextmanager
 def compiling(builds_at_once: bool = True) -> Iterator[None]:
-    """Around a graph's compile: kernels by rule, the two builds of a package at once (unless the cores
-    are shared with other compiling processes), and nothing on the console that a user cannot act on
+    """Around a graph's compile: kernels by rule, a package's wrapper built without the part every wrapper
+    shares, its two builds at once (unless the cores are shared with other compiling processes), and
+    nothing on the console that a user cannot act on
     (errors still raise)."""
-    with _kernels_by_rule(), _builds_at_once() if builds_at_once else contextlib.nullcontext(), _quiet():
+    with _kernels_by_rule(), _builds(builds_at_once), _quiet():
         yield
 
 
@@ -113,41 +116,124 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+# The part of every AOTInductor wrapper that is the same whatever the graph: the runtime's C interface and
+# its model container, a third of the wrapper's build; and the model base class that the graph's own part
+# instantiates (a std::regex parsing the device among it: two thirds of what that part compiled).
+# Built once into an object of the inductor cache, shared by every package since; each package's wrapper
+# compiles its graph alone (5.1 -> 2.0 CPU-s a package on a Zen 4, `small`'s graphs alike).
+_INTERFACE_BEGIN = "// Definition of AOTI runtime interface functions"
+_INTERFACE_END = '\n} // extern "C"\n'
+_MODEL_BASE = "torch::aot_inductor::AOTInductorModelBase<torch::aot_inductor::AOTInductorModel>"
+
+
+def _split_wrapper(source: str) -> tuple[str, str] | None:
+    """An AOTInductor wrapper's C++ -> (its shared part, with the model base instantiated; its graph's part,
+    told the base is instantiated elsewhere), or None where the wrapper is not laid out as expected."""
+    begin = source.find(_INTERFACE_BEGIN)
+    end = source.find(_INTERFACE_END, begin)
+    if begin < 0 or end < 0 or "AOTInductorModel::run_impl" not in source:
+        return None
+    end += len(_INTERFACE_END)
+    includes = "".join(line + "\n" for line in source[begin:end].splitlines() if line.startswith("#include "))
+    shared = f"{source[:end]}\ntemplate class {_MODEL_BASE};\n"
+    graph = f"{source[:begin]}{includes}extern template class {_MODEL_BASE};\n{source[end:]}"
+    return shared, graph
+
+
 @contextlib.contextmanager
-def _builds_at_once() -> Iterator[None]:
+def _builds(at_once: bool) -> Iterator[None]:
     """An AOTInductor package is two C++ files built one after the other, the wrapper (the graph's calls)
-    and the kernels, then linked: the wrapper's build is started in the background and the kernels' runs
-    beside it, on the other core, the link waiting for both. (Where inductor builds otherwise, as for an
-    autotuning candidate, nothing changes.)"""
+    and the kernels, then linked. The wrapper's part that is the same for every graph is built once, into
+    the inductor cache (_split_wrapper), and linked into every package; the rest of the wrapper is built
+    alone. With at_once, the wrapper's build is started in the background and the kernels' runs beside it,
+    on the other core, the link waiting for both. (Where inductor builds otherwise, as for an autotuning
+    candidate, nothing changes.)"""
     from torch._inductor import cpp_builder
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     run = cpp_builder.run_compile_cmd
-    pending: list[tuple[subprocess.Popen, str, Any]] = []
+    at_once = at_once and (os.cpu_count() or 1) > 1
+    # builds started and not yet waited for: (process, command, log, what to do if it fails)
+    pending: list[tuple[subprocess.Popen, str, Any, Callable[[], None] | None]] = []
+    # a split wrapper's object -> the shared object its link adds, and how to build the whole wrapper instead
+    split: dict[str, tuple[str, Callable[[], None]]] = {}
+
+    def start(cmd_line: str, cwd: str | None, otherwise: Callable[[], None] | None = None) -> None:
+        log = tempfile.TemporaryFile()
+        process = subprocess.Popen(shlex.split(cmd_line), cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+        pending.append((process, cmd_line, log, otherwise))
 
     def finish() -> None:
         while pending:
-            process, command, log = pending.pop()
+            process, command, log, otherwise = pending.pop()
             with log:
-                if process.wait():  # built again as inductor would, which raises its error with the output
-                    log.seek(0)
-                    raise cpp_builder.exc.CppCompileError(
-                        shlex.split(command), log.read().decode(errors="replace")
-                    )
+                if not process.wait():
+                    continue
+                if otherwise is not None:  # the graph's part alone did not build: the whole wrapper instead
+                    otherwise()
+                    continue
+                log.seek(0)  # raised as inductor would, with the compiler's output
+                raise cpp_builder.exc.CppCompileError(
+                    shlex.split(command), log.read().decode(errors="replace")
+                )
+
+    def build_wrapper(cmd_line: str, cwd: str) -> None:
+        words = shlex.split(cmd_line)
+        named = next(word for word in words if word.endswith(".wrapper.cpp"))
+        source = Path(named)
+        output = words[words.index("-o") + 1]
+        parts = _split_wrapper(source.read_text())
+        if parts is None:
+            return start(cmd_line, cwd) if at_once else run(cmd_line, cwd)
+        flags = cmd_line.replace(named, "").replace(output, "")
+        digest = hashlib.sha256(f"{parts[0]}\0{flags}\0{torch.__version__}".encode()).hexdigest()[:32]
+        common = Path(cache_dir()) / "aiayn-aoti-shared" / f"{digest}.o"
+        if not common.is_file():
+            common.parent.mkdir(parents=True, exist_ok=True)
+            common_source, building = (common.with_suffix(f".{os.getpid()}{ext}") for ext in (".cpp", ".o"))
+            common_source.write_text(parts[0])
+            try:
+                run(cmd_line.replace(named, str(common_source)).replace(output, str(building)), cwd)
+                os.replace(building, common)  # whole or not there: other processes may build it at once
+            finally:
+                common_source.unlink()
+                building.unlink(missing_ok=True)
+        # the graph's part beside inductor's file, which stays whole (inductor writes a source only if it is
+        # not there: a graph compiled again finds it)
+        graph = source.with_suffix(".graph.cpp")
+        graph.write_text(parts[1])
+
+        def build_whole() -> None:
+            split.pop(output, None)
+            run(cmd_line, str(source.parent))
+
+        split[output] = (str(common), build_whole)
+        start(cmd_line.replace(named, str(graph)), cwd, build_whole)
+        if not at_once:
+            finish()
+
+    def link(cmd_line: str, cwd: str) -> None:
+        finish()
+        wrappers = [w for w in split if w in cmd_line]
+        if not wrappers:
+            return run(cmd_line, cwd)
+        try:
+            linked = cmd_line
+            for wrapper in wrappers:
+                linked = linked.replace(wrapper, f"{wrapper} {shlex.quote(split[wrapper][0])}", 1)
+            run(linked, cwd)
+        except cpp_builder.exc.CppCompileError:  # linked as inductor would, the whole wrapper built
+            for wrapper in wrappers:
+                split[wrapper][1]()
+            run(cmd_line, cwd)
+        for wrapper in wrappers:
+            split.pop(wrapper, None)
 
     def run_compile_cmd(cmd_line: str, cwd: str) -> None:
-        if " -c " in f" {cmd_line} " and ".wrapper.cpp " in cmd_line and (os.cpu_count() or 1) > 1:
-            log = tempfile.TemporaryFile()
-            # started here, in the build's directory, which the builder removes once this returns
-            pending.append(
-                (
-                    subprocess.Popen(shlex.split(cmd_line), cwd=cwd, stdout=log, stderr=subprocess.STDOUT),
-                    cmd_line,
-                    log,
-                )
-            )
-            return
+        if " -c " in f" {cmd_line} " and ".wrapper.cpp " in cmd_line:
+            return build_wrapper(cmd_line, cwd)
         if " -shared" in f" {cmd_line} ":
-            finish()
+            return link(cmd_line, cwd)
         run(cmd_line, cwd)
 
     cpp_builder.run_compile_cmd = run_compile_cmd
@@ -155,7 +241,7 @@ def _builds_at_once() -> Iterator[None]:
         yield
         finish()
     finally:
-        for process, _, log in pending:  # an error on the way: nothing left running
+        for process, _, log, _ in pending:  # an error on the way: nothing left running
             process.kill()
             process.wait()
             log.close()
