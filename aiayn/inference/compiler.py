@@ -1,6 +1,6 @@
 """How aiayn's graphs are compiled on a CPU (compiled.py compiles every graph inside `compiling()`): each
-matrix product's kernel chosen by rule instead of timed, a package's two C++ builds at once, and a quiet
-console.
+matrix product's kernel chosen by rule instead of timed, the C++ that every package's wrapper shares built
+once, a package's two C++ builds at once, and a quiet console.
 
 Inductor's max_autotune times, for every matrix product of a graph, its own C++ kernel (a template
 instantiated for the product's shapes) against the library's call (oneDNN, with the weight prepacked)
@@ -117,10 +117,10 @@ def _quiet() -> Iterator[None]:
 
 
 # The part of every AOTInductor wrapper that is the same whatever the graph: the runtime's C interface and
-# its model container, a third of the wrapper's build; and the model base class that the graph's own part
-# instantiates (a std::regex parsing the device among it: two thirds of what that part compiled).
-# Built once into an object of the inductor cache, shared by every package since; each package's wrapper
-# compiles its graph alone (5.1 -> 2.0 CPU-s a package on a Zen 4, `small`'s graphs alike).
+# its model container, and the model base class that the graph's own part instantiated (a std::regex
+# parsing the device among it, most of what that part compiled). Built once into an object of the
+# inductor cache and linked into every package since, each wrapper compiling its graph's part alone:
+# g++'s fixed cost a package was most of a small graph's build.
 _INTERFACE_BEGIN = "// Definition of AOTI runtime interface functions"
 _INTERFACE_END = '\n} // extern "C"\n'
 _MODEL_BASE = "torch::aot_inductor::AOTInductorModelBase<torch::aot_inductor::AOTInductorModel>"

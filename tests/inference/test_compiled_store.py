@@ -17,6 +17,7 @@ from conftest import eos_heavy_model, fill, fused_attention_calls, sources
 from torch._dynamo.utils import counters
 
 from aiayn.config import SearchConfig
+from aiayn.inference import compiler
 from aiayn.inference.compiled import (
     TRACED_CODE,
     CompiledDecoder,
@@ -25,7 +26,7 @@ from aiayn.inference.compiled import (
     _Package,
     fingerprint,
 )
-from aiayn.inference.search import search
+from aiayn.inference.search import greedy_candidates, search
 from aiayn.model import Transformer
 
 
@@ -174,7 +175,8 @@ import torch
 from torch._dynamo.utils import counters
 from aiayn.config import ModelConfig, SearchConfig, from_dict
 from aiayn.inference.compiled import CompiledDecoder
-from aiayn.inference.search import search
+from aiayn.inference import compiler
+from aiayn.inference.search import greedy_candidates, search
 from aiayn.model import Transformer
 torch.set_num_threads(1)
 weights, store, ready, me, src, config = sys.argv[1:]
@@ -286,3 +288,42 @@ def test_a_store_on_a_full_disk_is_an_error_naming_the_package(model, small_disk
     assert error.value.errno == errno.ENOSPC and error.value.filename.startswith(str(store / "greedy-"))
     assert list(store.iterdir()) == []
     filler.unlink()
+
+
+def test_a_wrapper_is_split_into_the_part_every_graph_shares_and_its_own(store):
+    """A package's wrapper (the C++ that calls its kernels: the store fixture's greedy work) splits into the
+    runtime's C interface with the model base class instantiated, built once and shared, and the graph's
+    own part, which uses that instantiation instead of making its own; a source laid out otherwise is not
+    split."""
+    (package,) = store.glob("greedy-2-*.pt2")
+    with zipfile.ZipFile(package) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".wrapper.cpp")]
+        wrapper = archive.read(name).decode()
+    shared, graph = compiler._split_wrapper(wrapper)
+    assert "AOTInductorModelContainerCreateWithDevice(" in shared and "::run_impl(" not in shared
+    assert (
+        "AOTInductorModelContainerCreateWithDevice(" not in graph and "AOTInductorModel::run_impl(" in graph
+    )
+    assert (
+        f"\ntemplate class {compiler._MODEL_BASE};" in shared
+        and f"extern template class {compiler._MODEL_BASE};" in graph
+    )
+    assert compiler._split_wrapper("int main() { return 0; }") is None
+
+
+def test_a_wrapper_whose_own_part_does_not_build_is_built_whole(model, tmp_path, monkeypatch):
+    """Where the graph's part of a split wrapper does not build (a wrapper laid out otherwise by another
+    PyTorch, say), the whole wrapper is built as inductor builds it: the package compiles, loads and
+    computes what the eager function does. (Greedy search's own work: the smallest graph.)"""
+    split = compiler._split_wrapper
+    monkeypatch.setattr(
+        compiler, "_split_wrapper", lambda source: (split(source)[0], "#error not this layout\n")
+    )
+    compiled = CompiledDecoder(model, store=tmp_path / "store", max_autotune=False)
+    generator = torch.Generator().manual_seed(3)
+    args = (torch.randn(3, V, generator=generator), torch.zeros(3), torch.full((3,), 9), torch.full((1,), 4))
+    with torch.inference_mode():
+        got = compiled.greedy_candidates(*args)
+    assert compiled.compile_seconds > 0 and len(list((tmp_path / "store").glob("greedy-2-*.pt2"))) == 1
+    for a, b in zip(got, greedy_candidates(*args)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
