@@ -86,6 +86,8 @@ CONFIGS = {  # name: (flags, minutes, or updates for updates-N, seeds)
     # regularisers for a short budget, each the recipe plus one change, at the ends of the range
     **{f"dropout2-updates-{n}": (RECIPE + ["--set", "dropout=0.2"], n, (1,)) for n in UPDATES},
     **{f"smoothing2-updates-{n}": (RECIPE + ["--set", "label_smoothing=0.2"], n, (1,)) for n in UPDATES},
+    # a smaller vocabulary: each subword's embedding sees more updates (Gowda and May, 2020)
+    **{f"vocab4000-updates-{n}": (RECIPE + ["--vocab-size", "4000"], n, (1,)) for n in UPDATES},
 }
 # Each direction's README command: the configuration whose runs make the README's table and the plot.
 COMMAND = {"de-en": "bpedrop-src", "en-de": "all"}
