@@ -135,6 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     resolve_dtype(cfg.dtype, resolve_device(args.device))  # an unknown device, CUDA where there is none,
     # or fp16 on the CPU fails now
     ranks = Ranks.start(cfg.dist_backend, args.device, cfg.dist_timeout_minutes)
+    ended = False  # whether this rank got through without an error
     try:
         device = ranks.device(args.device)
         mode = "force" if args.force else "resume" if args.resume else "new"
@@ -183,8 +184,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if bought:  # what the recipe decided its BPE-dropout by
             settings["budget"] = bought
         result = train(run, model_config, cfg, data, device, settings, ranks, init)
+        ended = True
     finally:
-        ranks.close()
+        ranks.close(together=ended)
     if not ranks.main:
         return 0 if result.stop.signal is None else 128 + signal.Signals[result.stop.signal].value
     if result.restored:  # (Run said so on stderr)

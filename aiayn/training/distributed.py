@@ -110,12 +110,18 @@ class Ranks:
         ddp.register_comm_hook(None, _sum_hook)
         return ddp
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
+        """End the process group. together: every rank got here without an error, so they wait for each
+        other first (not after an error: a rank that failed never comes)."""
         if self.world > 1 and dist.is_initialized():
-            # The DDP wrapper sits in reference cycles (hooks), so it would otherwise be freed at
-            # interpreter exit, with gloo's threads still holding the group: SIGABRT ("terminate called
-            # without an active exception"), seen about one run in four once rank 0 validated longer
-            # than the others at the end. Free it now, then destroy the group.
+            # Rank 0 validates alone at the end of a run: a rank that tore its side of gloo down meanwhile
+            # and left made rank 0's own teardown abort now and then (SIGABRT, "terminate called without
+            # an active exception", after its final line was written). So the ranks leave together. And
+            # the DDP wrapper sits in reference cycles (hooks), so it would otherwise be freed at
+            # interpreter exit, with gloo's threads still holding the group (the same abort): freed now,
+            # then the group destroyed.
+            if together:
+                dist.barrier()
             gc.collect()
             dist.destroy_process_group()
 
