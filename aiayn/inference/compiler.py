@@ -60,8 +60,7 @@ def may_choose_template(rows: int | None) -> bool:
 def compiling(builds_at_once: bool = True) -> Iterator[None]:
     """Around a graph's compile: kernels by rule, a package's wrapper built without the part every wrapper
     shares, its two builds at once (unless the cores are shared with other compiling processes), and
-    nothing on the console that a user cannot act on
-    (errors still raise)."""
+    nothing on the console that a user cannot act on (errors still raise)."""
     with _kernels_by_rule(), _builds(builds_at_once), _quiet():
         yield
 
@@ -177,27 +176,36 @@ def _builds(at_once: bool) -> Iterator[None]:
                     shlex.split(command), log.read().decode(errors="replace")
                 )
 
+    def shared_object(text: str, cmd_line: str, named: str, output: str, cwd: str) -> Path | None:
+        """The object of a wrapper's shared part, built by the wrapper's command (named -> output) unless
+        the cache has it; None where it does not build."""
+        flags = cmd_line.replace(named, "").replace(output, "")
+        digest = hashlib.sha256(f"{text}\0{flags}\0{torch.__version__}".encode()).hexdigest()[:32]
+        common = Path(cache_dir()) / "aiayn-aoti-shared" / f"{digest}.o"
+        if common.is_file():
+            return common
+        common.parent.mkdir(parents=True, exist_ok=True)
+        common_source, building = (common.with_suffix(f".{os.getpid()}{ext}") for ext in (".cpp", ".o"))
+        common_source.write_text(text)
+        try:
+            run(cmd_line.replace(named, str(common_source)).replace(output, str(building)), cwd)
+            os.replace(building, common)  # whole or not there: other processes may build it at once
+        except cpp_builder.exc.CppCompileError:
+            return None
+        finally:
+            common_source.unlink()
+            building.unlink(missing_ok=True)
+        return common
+
     def build_wrapper(cmd_line: str, cwd: str) -> None:
         words = shlex.split(cmd_line)
         named = next(word for word in words if word.endswith(".wrapper.cpp"))
         source = Path(named)
         output = words[words.index("-o") + 1]
         parts = _split_wrapper(source.read_text())
-        if parts is None:
+        common = None if parts is None else shared_object(parts[0], cmd_line, named, output, cwd)
+        if parts is None or common is None:  # the whole wrapper, as inductor builds it
             return start(cmd_line, cwd) if at_once else run(cmd_line, cwd)
-        flags = cmd_line.replace(named, "").replace(output, "")
-        digest = hashlib.sha256(f"{parts[0]}\0{flags}\0{torch.__version__}".encode()).hexdigest()[:32]
-        common = Path(cache_dir()) / "aiayn-aoti-shared" / f"{digest}.o"
-        if not common.is_file():
-            common.parent.mkdir(parents=True, exist_ok=True)
-            common_source, building = (common.with_suffix(f".{os.getpid()}{ext}") for ext in (".cpp", ".o"))
-            common_source.write_text(parts[0])
-            try:
-                run(cmd_line.replace(named, str(common_source)).replace(output, str(building)), cwd)
-                os.replace(building, common)  # whole or not there: other processes may build it at once
-            finally:
-                common_source.unlink()
-                building.unlink(missing_ok=True)
         # the graph's part beside inductor's file, which stays whole (inductor writes a source only if it is
         # not there: a graph compiled again finds it)
         graph = source.with_suffix(".graph.cpp")

@@ -175,8 +175,7 @@ import torch
 from torch._dynamo.utils import counters
 from aiayn.config import ModelConfig, SearchConfig, from_dict
 from aiayn.inference.compiled import CompiledDecoder
-from aiayn.inference import compiler
-from aiayn.inference.search import greedy_candidates, search
+from aiayn.inference.search import search
 from aiayn.model import Transformer
 torch.set_num_threads(1)
 weights, store, ready, me, src, config = sys.argv[1:]
@@ -311,14 +310,20 @@ def test_a_wrapper_is_split_into_the_part_every_graph_shares_and_its_own(store):
     assert compiler._split_wrapper("int main() { return 0; }") is None
 
 
-def test_a_wrapper_whose_own_part_does_not_build_is_built_whole(model, tmp_path, monkeypatch):
-    """Where the graph's part of a split wrapper does not build (a wrapper laid out otherwise by another
+@pytest.mark.parametrize("broken", [0, 1], ids=["shared part", "graph's part"])
+def test_a_wrapper_whose_parts_do_not_build_is_built_whole(model, tmp_path, monkeypatch, broken):
+    """Where either part of a split wrapper does not build (a wrapper laid out otherwise by another
     PyTorch, say), the whole wrapper is built as inductor builds it: the package compiles, loads and
-    computes what the eager function does. (Greedy search's own work: the smallest graph.)"""
+    computes what the eager function does. (Greedy search's own work: the smallest graph. The shared
+    part broken is given its own text, so that no object the cache holds is taken for it.)"""
     split = compiler._split_wrapper
-    monkeypatch.setattr(
-        compiler, "_split_wrapper", lambda source: (split(source)[0], "#error not this layout\n")
-    )
+
+    def broken_split(source):
+        parts = list(split(source))
+        parts[broken] = f"#error not this layout {tmp_path}\n"
+        return tuple(parts)
+
+    monkeypatch.setattr(compiler, "_split_wrapper", broken_split)
     compiled = CompiledDecoder(model, store=tmp_path / "store", max_autotune=False)
     generator = torch.Generator().manual_seed(3)
     args = (torch.randn(3, V, generator=generator), torch.zeros(3), torch.full((3,), 9), torch.full((1,), 4))

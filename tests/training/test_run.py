@@ -40,7 +40,8 @@ def tiny(prefix, out, *extra) -> list:
 
 @pytest.fixture
 def data(tmp_path) -> Path:
-    write_parallel(tmp_path / "valid", SRC[300:306], TGT[300:306])  # few: an untrained model decodes to its limit
+    # few: an untrained model decodes to its limit
+    write_parallel(tmp_path / "valid", SRC[300:306], TGT[300:306])
     return write_parallel(tmp_path / "train", SRC[:300], TGT[:300])
 
 
