@@ -517,6 +517,7 @@ class CompiledDecoder(Decoder):
                 f"{self.store}: cannot keep compiled graphs there ({error.strerror}); set "
                 "AIAYN_COMPILE_STORE to a writable directory, or to none to compile in memory"
             ) from error
+        compiler.prepare(next(self.model.parameters()).device)
         shapes = _shapes(key, args)
         # (inference tensors cannot be traced in place)
         with (

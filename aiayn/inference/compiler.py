@@ -1,6 +1,7 @@
 """How aiayn's graphs are compiled on a CPU (compiled.py compiles every graph inside `compiling()`): each
 matrix product's kernel chosen by rule instead of timed, the C++ that every package's wrapper shares built
-once, a package's two C++ builds at once, and a quiet console.
+once, a package's C++ builds at once, what a process's first compile needs before its graph built ahead of
+time (prepare), and a quiet console.
 
 Inductor's max_autotune times, for every matrix product of a graph, its own C++ kernel (a template
 instantiated for the product's shapes) against the library's call (oneDNN, with the weight prepacked)
@@ -22,6 +23,7 @@ import os
 import shlex
 import subprocess
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from math import prod
@@ -99,6 +101,78 @@ def _kernels_by_rule() -> Iterator[None]:
         selector.preprocessing_fns.remove(choose)
 
 
+_prepared: threading.Thread | None = None
+
+
+def prepare(device: torch.device) -> None:
+    """Start, in the background, what a process's first package otherwise builds one piece after another
+    before anything of its graph: inductor's probes of the CPU's vector instructions (each a build and a
+    load, one after another when inductor first picks an instruction set) and its two precompiled headers
+    (the wrapper's and the kernels', one after the other). Here the probes run at once, then the headers
+    at once, beside the tracing and lowering that come first. Both are inductor's own calls, cached on disk
+    under its locks, so a compile that reaches them first waits for the same files instead of building
+    them twice; once they are cached this costs a few loads. Once a process; call it where a process is
+    about to compile packages for device (nothing for a GPU's)."""
+    global _prepared
+    if _prepared is None and device.type == "cpu":
+        _prepared = threading.Thread(target=_prepare, name="aiayn-prepare-compiler", daemon=True)
+        _prepared.start()
+
+
+def _prepare() -> None:
+    with contextlib.suppress(Exception):  # only ahead of time: the compile says what does not work
+        _parallel([lambda isa=isa: bool(isa) for isa in _candidate_isas()])
+        _parallel([lambda header=h: _precompiled_header(header) for h in ("wrapper", "kernel")])
+
+
+def _parallel(calls: list[Callable[[], Any]]) -> None:
+    """calls, each in a thread of its own, until all have returned (an error is left for the compile)."""
+
+    def quietly(call: Callable[[], Any]) -> None:
+        with contextlib.suppress(Exception):
+            call()
+
+    threads = [threading.Thread(target=quietly, args=(call,), daemon=True) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _candidate_isas() -> list[Any]:
+    """The instruction sets inductor's valid_vec_isa_list probes on this CPU (those its flags name)."""
+    from torch._inductor import cpu_vec_isa
+
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [
+        isa
+        for isa in cpu_vec_isa.supported_vec_isa_list
+        if str(isa) and all(f in flags for f in str(isa).split())
+    ]
+
+
+def _precompiled_header(which: str) -> str:
+    """Inductor's precompiled header of an AOTInductor package's wrapper or kernels, as
+    AotCodeCompiler.compile asks for it on a CPU (the same header, command line and options: the same
+    file; a test compares them with a real compile's)."""
+    from torch._inductor import codecache
+    from torch._inductor.config import aot_inductor
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    options = CppTorchDeviceOptions(vec_isa=isa, device_type="cpu", aot_mode=True)
+    command_line = repr(CppBuilder(name="o", sources="i", BuildOption=options).get_command_line())
+    command = {"aot_mode": True, "device_type": "cpu", "use_mmap_weights": False,
+               "use_mmap_weights_external": False, "use_relative_path": False, "vec_isa": isa}  # fmt: skip
+    if which == "wrapper":
+        header = codecache._get_cpp_wrapper_header("cpu", aot_mode=True)
+        return codecache._precompile_header(
+            header, command_line, min_optimize=not aot_inductor.package_cpp_only, **command
+        )
+    return codecache._precompile_header(codecache._get_cpp_prefix_header("cpu"), command_line, **command)
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """No autotuning tables (there should be none to print) and no deprecation warnings from inside the
@@ -144,58 +218,47 @@ def _builds(at_once: bool) -> Iterator[None]:
     """An AOTInductor package is two C++ files built one after the other, the wrapper (the graph's calls)
     and the kernels, then linked. The wrapper's part that is the same for every graph is built once, into
     the inductor cache (_split_wrapper), and linked into every package; the rest of the wrapper is built
-    alone. With at_once, the wrapper's build is started in the background and the kernels' runs beside it,
-    on the other core, the link waiting for both. (Where inductor builds otherwise, as for an autotuning
-    candidate, nothing changes.)"""
+    alone. With at_once, the wrapper's builds are started in the background (the shared part's beside the
+    graph's, where the cache does not have it yet) and the kernels' runs beside them, the link waiting for
+    all. (Where inductor builds otherwise, as for an autotuning candidate, nothing changes.)"""
     from torch._inductor import cpp_builder
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     run = cpp_builder.run_compile_cmd
     at_once = at_once and (os.cpu_count() or 1) > 1
-    # builds started and not yet waited for: (process, command, log, what to do if it fails)
-    pending: list[tuple[subprocess.Popen, str, Any, Callable[[], None] | None]] = []
+    # builds started and not yet waited for: (process, command, log, what to do once it has built, what to
+    # do instead of raising if it fails)
+    pending: list[tuple[subprocess.Popen, str, Any, Callable[[], None], Callable[[], None] | None]] = []
     # a split wrapper's object -> the shared object its link adds, and how to build the whole wrapper instead
     split: dict[str, tuple[str, Callable[[], None]]] = {}
+    scratch: list[Path] = []  # a shared part's files being built, removed whatever happens
 
-    def start(cmd_line: str, cwd: str | None, otherwise: Callable[[], None] | None = None) -> None:
+    def start(cmd_line: str, cwd: str | None, built: Callable[[], None] = lambda: None,
+              failed: Callable[[], None] | None = None) -> None:  # fmt: skip
         log = tempfile.TemporaryFile()
         process = subprocess.Popen(shlex.split(cmd_line), cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
-        pending.append((process, cmd_line, log, otherwise))
+        pending.append((process, cmd_line, log, built, failed))
 
     def finish() -> None:
-        while pending:
-            process, command, log, otherwise = pending.pop()
-            with log:
-                if not process.wait():
-                    continue
-                if otherwise is not None:  # the graph's part alone did not build: the whole wrapper instead
-                    otherwise()
-                    continue
-                log.seek(0)  # raised as inductor would, with the compiler's output
-                raise cpp_builder.exc.CppCompileError(
-                    shlex.split(command), log.read().decode(errors="replace")
-                )
-
-    def shared_object(text: str, cmd_line: str, named: str, output: str, cwd: str) -> Path | None:
-        """The object of a wrapper's shared part, built by the wrapper's command (named -> output) unless
-        the cache has it; None where it does not build."""
-        flags = cmd_line.replace(named, "").replace(output, "")
-        digest = hashlib.sha256(f"{text}\0{flags}\0{torch.__version__}".encode()).hexdigest()[:32]
-        common = Path(cache_dir()) / "aiayn-aoti-shared" / f"{digest}.o"
-        if common.is_file():
-            return common
-        common.parent.mkdir(parents=True, exist_ok=True)
-        common_source, building = (common.with_suffix(f".{os.getpid()}{ext}") for ext in (".cpp", ".o"))
-        common_source.write_text(text)
+        """Wait for every build started, then settle each in the order started (a fallback rebuilds a file
+        that no build is writing any more)."""
+        started = list(pending)
+        codes = [process.wait() for process, *_ in started]
+        pending.clear()
         try:
-            run(cmd_line.replace(named, str(common_source)).replace(output, str(building)), cwd)
-            os.replace(building, common)  # whole or not there: other processes may build it at once
-        except cpp_builder.exc.CppCompileError:
-            return None
+            for code, (_, command, log, built, failed) in zip(codes, started):
+                if not code:
+                    built()
+                elif failed is not None:  # a part of a split wrapper did not build: the whole one instead
+                    failed()
+                else:
+                    log.seek(0)  # raised as inductor would, with the compiler's output
+                    raise cpp_builder.exc.CppCompileError(
+                        shlex.split(command), log.read().decode(errors="replace")
+                    )
         finally:
-            common_source.unlink()
-            building.unlink(missing_ok=True)
-        return common
+            for _, _, log, _, _ in started:
+                log.close()
 
     def build_wrapper(cmd_line: str, cwd: str) -> None:
         words = shlex.split(cmd_line)
@@ -203,20 +266,35 @@ def _builds(at_once: bool) -> Iterator[None]:
         source = Path(named)
         output = words[words.index("-o") + 1]
         parts = _split_wrapper(source.read_text())
-        common = None if parts is None else shared_object(parts[0], cmd_line, named, output, cwd)
-        if parts is None or common is None:  # the whole wrapper, as inductor builds it
+        if parts is None:  # the whole wrapper, as inductor builds it
             return start(cmd_line, cwd) if at_once else run(cmd_line, cwd)
+        shared_text, graph_text = parts
         # the graph's part beside inductor's file, which stays whole (inductor writes a source only if it is
         # not there: a graph compiled again finds it)
         graph = source.with_suffix(".graph.cpp")
-        graph.write_text(parts[1])
+        graph.write_text(graph_text)
 
         def build_whole() -> None:
-            split.pop(output, None)
-            run(cmd_line, str(source.parent))
+            if split.pop(output, None) is not None:
+                run(cmd_line, str(source.parent))
 
+        # the shared part's object in the cache, named by a hash of its text, its flags and torch's version
+        flags = cmd_line.replace(named, "").replace(output, "")
+        digest = hashlib.sha256(f"{shared_text}\0{flags}\0{torch.__version__}".encode()).hexdigest()[:32]
+        common = Path(cache_dir()) / "aiayn-aoti-shared" / f"{digest}.o"
         split[output] = (str(common), build_whole)
-        start(cmd_line.replace(named, str(graph)), cwd, build_whole)
+        if not common.is_file():
+            common.parent.mkdir(parents=True, exist_ok=True)
+            shared_source, building = (common.with_suffix(f".{os.getpid()}{ext}") for ext in (".cpp", ".o"))
+            scratch.extend((shared_source, building))
+            shared_source.write_text(shared_text)
+
+            def shared_built() -> None:
+                os.replace(building, common)  # whole or not there: other processes may build it at once
+
+            command = cmd_line.replace(named, str(shared_source)).replace(output, str(building))
+            start(command, cwd, shared_built, build_whole)
+        start(cmd_line.replace(named, str(graph)), cwd, failed=build_whole)
         if not at_once:
             finish()
 
@@ -249,8 +327,10 @@ def _builds(at_once: bool) -> Iterator[None]:
         yield
         finish()
     finally:
-        for process, _, log, _ in pending:  # an error on the way: nothing left running
+        for process, _, log, _, _ in pending:  # an error on the way: nothing left running
             process.kill()
             process.wait()
             log.close()
+        for path in scratch:
+            path.unlink(missing_ok=True)
         cpp_builder.run_compile_cmd = run

@@ -163,9 +163,12 @@ class Translator:
             len(b) for b in self.batches(lengths, search_config.beam_size) if len(b) <= compiled.max_sentences
         }
         sizes = {cls: n for cls, n in SENTENCES.items() if cls in {row_class(b) for b in sentences}}
-        if not sizes or all(compiled._path(key).is_file() for key in plan(self, [search_config], sizes)):
+        if not sizes:
             return
-        warmup = Warmup(self.source, compiled, [search_config], sizes, workers, say, here=True)  # type: ignore[arg-type]
+        needs = plan(self, [search_config], sizes)
+        if all(compiled._path(key).is_file() for key in needs):
+            return
+        warmup = Warmup(self.source, compiled, [search_config], sizes, workers, say, here=True, needs=needs)  # type: ignore[arg-type]
         warmup.start()
         try:
             warmup.compile_here(self)

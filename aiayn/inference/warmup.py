@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any
 
 from aiayn.config import InferenceOptions, SearchConfig
+from aiayn.inference import compiler
 from aiayn.inference.compiled import MANY, CompiledDecoder, fingerprint
 from aiayn.tokenizer import EOS_ID
 
@@ -62,6 +63,15 @@ def plan(translator: Any, searches: list[SearchConfig], sizes: dict[str, int]) -
     return needs
 
 
+def plan_as_json(needs: dict[tuple, set[str]]) -> list:
+    """A plan as JSON (plan_from_json reads it back)."""
+    return [[list(key), sorted(classes)] for key, classes in needs.items()]
+
+
+def plan_from_json(value: list) -> dict[tuple, set[str]]:
+    return {_key(key): set(classes) for key, classes in value}
+
+
 def share(needs: dict[tuple, set[str]], worker: int, workers: int) -> Callable[[tuple], bool]:
     """Worker `worker`'s share of the plan's graphs: every `workers`-th, in the order met (a graph the
     plan did not meet is worker 0's)."""
@@ -76,12 +86,17 @@ def compile_share(
     worker: int,
     workers: int,
     send: Callable[[dict], None],
+    needs: dict[tuple, set[str]] | None = None,
 ) -> None:
-    """Worker `worker`'s part of a warm-up, in a worker process or in the translator's own: the plan, sent
-    first, then its share of the graphs, each sent once it is stored."""
+    """Worker `worker`'s part of a warm-up, in a worker process or in the translator's own: the plan (needs,
+    where the process that started the warm-up made it), sent first, then its share of the graphs, each
+    sent once it is stored."""
     decoder = translator.compiled
-    needs = plan(translator, searches, sizes)
-    send({"plan": [[list(key), sorted(classes)] for key, classes in needs.items()]})
+    if decoder.store is not None:
+        compiler.prepare(translator.device)  # beside the plan's eager decoding and the tracing
+    if needs is None:
+        needs = plan(translator, searches, sizes)
+    send({"plan": plan_as_json(needs)})
     saved = decoder.compiles, decoder.on_compiled, decoder.builds_at_once
     decoder.compiles = share(needs, worker, workers)
     decoder.on_compiled = lambda key, path, seconds: send(
@@ -161,7 +176,10 @@ class Warmup:
     one the translator decodes with, which adopts each graph and, where it is gated (its classes), opens
     each class of batches to its graphs; searches and sizes: what to compile for, the row classes each with
     the sentences of its warm-up batch (SENTENCES). here: worker 0 is this process (compile_here), for a
-    process that has nothing else to do meanwhile (`aiayn translate --compile`), which saves a start."""
+    process that has nothing else to do meanwhile (`aiayn translate --compile`), which saves a start; its
+    workers then run at the same priority as it (nothing waits for answers). needs: the plan, where this
+    process has made it (plan()), handed to the workers instead of each decoding its warm-up batches again
+    first."""
 
     def __init__(
         self,
@@ -172,8 +190,10 @@ class Warmup:
         workers: int,
         say: Callable[[str], None],
         here: bool = False,
+        needs: dict[tuple, set[str]] | None = None,
     ):
         self.directory, self.options = source
+        self.needs = needs
         self.decoder, self.searches, self.sizes, self.say = decoder, searches, sizes, say
         self.workers, self.here = workers, here
         self.progress = Progress()
@@ -192,7 +212,9 @@ class Warmup:
             command = [sys.executable, "-m", "aiayn.inference.warmup_worker", str(self.directory), "--options",
                        json.dumps(asdict(self.options)), "--searches", json.dumps([asdict(s) for s in self.searches]),
                        "--sizes", json.dumps(self.sizes), "--worker", str(index), "--workers", str(self.workers),
-                       "--events", str(write), "--fingerprint", expected]  # fmt: skip
+                       "--events", str(write), "--fingerprint", expected, "--nice", str(0 if self.here else NICE)]  # fmt: skip
+            if self.needs is not None:
+                command += ["--plan", json.dumps(plan_as_json(self.needs))]
             env = {**os.environ, "AIAYN_COMPILE_STORE": str(self.decoder.store)}
             process = subprocess.Popen(command, env=env, pass_fds=(write,), stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0,
@@ -217,7 +239,8 @@ class Warmup:
         decoder (which is translator's), the others' come as the workers store them."""
         error = None
         try:
-            compile_share(translator, self.searches, self.sizes, 0, self.workers, lambda e: self._event(0, e))
+            compile_share(translator, self.searches, self.sizes, 0, self.workers, lambda e: self._event(0, e),
+                          self.needs)  # fmt: skip
         except Exception as failure:  # as a worker's: said, and the batches that need the graphs compile them
             error = f"{type(failure).__name__}: {failure}"
         self._finished(0, error)
@@ -288,8 +311,8 @@ class Warmup:
             progress = self.progress
             if "plan" in event:  # every worker sends the same plan: the first is kept
                 if not progress.graphs:
-                    for key, classes in event["plan"]:
-                        progress.graphs[_key(key)] = Graph(_key(key), set(classes), worker=0)
+                    for key, classes in plan_from_json(event["plan"]).items():
+                        progress.graphs[key] = Graph(key, classes, worker=0)
                     self.say(f"compiled decoding: {len(progress.graphs)} graphs to compile")
                 return
             key = _key(event["graph"])

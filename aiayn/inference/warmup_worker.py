@@ -14,12 +14,12 @@ import torch
 from aiayn.config import InferenceOptions, SearchConfig
 from aiayn.inference.compiled import fingerprint
 from aiayn.inference.translate import Translator
-from aiayn.inference.warmup import NICE, compile_share
+from aiayn.inference.warmup import NICE, compile_share, plan_from_json
 
 
 def work(args: argparse.Namespace) -> None:
     """One worker: the plan, then its share of the graphs, each announced on the events pipe."""
-    os.nice(NICE)
+    os.nice(args.nice)
     torch.set_num_threads(1)
     events = os.fdopen(args.events, "w", encoding="utf-8", buffering=1)
     options = InferenceOptions(**{**json.loads(args.options), "compile": True})
@@ -37,6 +37,7 @@ def work(args: argparse.Namespace) -> None:
         args.worker,
         args.workers,
         lambda event: events.write(json.dumps(event) + "\n"),
+        None if args.plan is None else plan_from_json(json.loads(args.plan)),
     )
 
 
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, required=True)
     parser.add_argument("--events", type=int, required=True, help="the file descriptor of the events pipe")
     parser.add_argument("--fingerprint", required=True, help="the graphs' fingerprint in the parent")
+    parser.add_argument("--nice", type=int, default=NICE, help="the niceness to run at")
+    parser.add_argument("--plan", help="the plan the parent made (warmup.plan_as_json), if it made one")
     args = parser.parse_args(argv)
     # SIGTERM from stop(): unwind, so that a package being written is removed, not left half there
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

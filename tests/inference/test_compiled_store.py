@@ -8,6 +8,8 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+import unittest.mock
 import zipfile
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 from conftest import EOS_HEAVY_V as V
 from conftest import eos_heavy_model, fill, fused_attention_calls, sources
 from torch._dynamo.utils import counters
+from torch._inductor import codecache
 
 from aiayn.config import SearchConfig
 from aiayn.inference import compiler
@@ -58,11 +61,23 @@ def compiled(model, tmp_path_factory):
     choices inductor timed meanwhile (none found in its cache: it is not read)."""
     store = tmp_path_factory.mktemp("store")
     counters.clear()
-    with torch._inductor.config.patch(autotune_local_cache=False):
+    headers = set()  # the precompiled headers the compiles asked for (not compiler.prepare's thread)
+    ask = codecache._precompile_header
+
+    def asked(*args, **kwargs):
+        header = ask(*args, **kwargs)
+        if threading.current_thread() is threading.main_thread():
+            headers.add(header)
+        return header
+
+    with (
+        torch._inductor.config.patch(autotune_local_cache=False),
+        unittest.mock.patch.object(codecache, "_precompile_header", asked),
+    ):
         first = CompiledDecoder(model, store=store)
         assert_same(greedy(first), greedy(model))
     assert first.compile_seconds > 0
-    return store, counters["inductor"]["select_algorithm_autotune"]
+    return store, counters["inductor"]["select_algorithm_autotune"], headers
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +99,7 @@ def test_each_product_takes_the_kernel_of_its_rows_and_none_is_timed(compiled):
     no decision is made twice, in any graph or process (test_two_processes_... below: another process
     times none either). A few sentences' step, traced for 4 rows, runs inductor's kernels, inlined; their
     memory, B x S rows, the library's."""
-    store, timed = compiled
+    store, timed, _ = compiled
     assert timed == 0
     step = package_code(next(store.glob("step-few-*.pt2")))
     assert "micro_gemm" in step and "_linear_pointwise" not in step
@@ -287,6 +302,13 @@ def test_a_store_on_a_full_disk_is_an_error_naming_the_package(model, small_disk
     assert error.value.errno == errno.ENOSPC and error.value.filename.startswith(str(store / "greedy-"))
     assert list(store.iterdir()) == []
     filler.unlink()
+
+
+def test_ahead_of_time_the_headers_a_compile_asks_for_are_built(compiled):
+    """compiler.prepare builds, before a process's first package needs them, the very precompiled headers
+    its compile asks inductor for (the same header, flags and options): else its work is lost and the
+    compile waits for its own."""
+    assert compiled[2] == {compiler._precompiled_header(which) for which in ("wrapper", "kernel")}
 
 
 def test_a_wrapper_is_split_into_the_part_every_graph_shares_and_its_own(store):
