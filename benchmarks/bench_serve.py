@@ -331,7 +331,12 @@ class Console:
 
 
 def cold_env(store: Path, cache: Path) -> dict:
-    return {**os.environ, "AIAYN_COMPILE_STORE": str(store), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    """A first use on the machine: an empty store and inductor cache, and an empty temporary directory,
+    where inductor keeps its precompiled headers whatever its cache directory."""
+    tmp = cache.with_name(f"{cache.name}-tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "AIAYN_COMPILE_STORE": str(store), "TORCHINDUCTOR_CACHE_DIR": str(cache),
+            "TMPDIR": str(tmp)}  # fmt: skip
 
 
 def serve_cold(model: Path, dtype: str, env: dict, text: str, log: Path) -> dict:

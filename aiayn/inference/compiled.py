@@ -47,6 +47,7 @@ from torch import Tensor
 from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from aiayn import precision
 from aiayn.files import atomic_write
 from aiayn.inference import compiler
 from aiayn.inference.search import BeamLive, BeamStep, Decoder, GreedyStep, beam_candidates, greedy_candidates
@@ -212,16 +213,37 @@ MANY = 8  # the fewest sentences of the many class; the few class is 2 to MANY -
 # The most sentences of the many class: export needs a bound on every size, the rows (the sentences
 # times the beam) included, and this is far above any batch a graph is given (CompiledDecoder.max_sentences)
 MOST = 1 << 16
-SENTENCES = MappingProxyType({"few": (2, MANY - 1), "many": (MANY, MOST)})  # the least and most sentences
+# the least and most sentences of a class; "any": a graph both batched classes share (shared_class)
+SENTENCES = MappingProxyType({"few": (2, MANY - 1), "many": (MANY, MOST), "any": (2, MOST)})
 # What a graph's kernels and int8 routes are chosen for where its rows are dynamic (compiling): the
 # sentences of a batch of its class, and for the memory, tokens a sentence (about a Multi30k sentence's).
-TRACED_SENTENCES = MappingProxyType({"one": 1, "few": 4, "many": 32})
+TRACED_SENTENCES = MappingProxyType({"one": 1, "few": 4, "many": 32, "any": 32})
 TRACED_TOKENS = 16
 
 
 def row_class(sentences: int) -> str:
     """The class of graphs a batch of this many sentences decodes with: "one", "few" or "many"."""
     return "one" if sentences == 1 else "few" if sentences < MANY else "many"
+
+
+def shared_class(kind: str, cls: str, per_sentence: int = 1) -> str:
+    """The class of the stored graph a batch of class cls decodes its `kind` ("memory", or "step" with
+    per_sentence rows a sentence) with: "any" where the few and the many classes would compile the same
+    graph, every choice made by the traced rows the same (each kind of matrix product's kernel,
+    compiler.TEMPLATE_ROWS, and the int8 layers' route, precision.row_class), else cls. A graph fewer
+    to compile; the few sentences then run the many's kernels, as they would their own (a memory's rows
+    are many in both, and so are a beam's steps where inductor's own kernel stops at 16 rows)."""
+    if cls not in ("few", "many"):
+        return cls
+    few, many = (_traced((kind, c, per_sentence)) for c in ("few", "many"))
+    return "any" if _choices(few) == _choices(many) else cls
+
+
+def _choices(rows: int | None) -> tuple:
+    """What a graph traced for this many rows chooses by them (shared_class)."""
+    if rows is None:
+        return ()
+    return precision.row_class(rows), tuple(rows < limit for limit in compiler.template_rows().values())
 
 
 def _pad(index: Tensor, n: int) -> Tensor:
@@ -325,8 +347,9 @@ class CompiledDecoder(Decoder):
         mask = self.model.src_mask(src)
         if mask is None:
             mask = torch.ones(B, 1, 1, src.size(1), dtype=torch.bool, device=src.device)  # (B, 1, 1, S)
-        src, mask = _batch(_dynamic(src, 1), 0, cls), _batch(_dynamic(mask, 3), 0, cls)
-        states, cross = self._call(("memory", cls), src, mask)  # (B, S, D), 2 x (B, S, D) a layer
+        graph = self._graph_class("memory", cls)
+        src, mask = _batch(_dynamic(src, 1), 0, graph), _batch(_dynamic(mask, 3), 0, graph)
+        states, cross = self._call(("memory", graph), src, mask)  # (B, S, D), 2 x (B, S, D) a layer
         return CompiledMemory(_batch(_dynamic(states, 1), 0, cls), mask, cross=cross)
 
     def new_cache(self, memory: Memory, max_len: int) -> StaticCache | DecoderCache:
@@ -373,7 +396,9 @@ class CompiledDecoder(Decoder):
         # the class of the batch's sentences B, and N = R / B rows a sentence (hypotheses: the cross
         # keys/values have B rows); with a beam's table or without, with a shortlist or without
         B = cache.layers[0].cross_k.size(0)
-        key = ("step", cache.row_class, cache.rows // B, cache.source is not None, cache.output is not None)
+        N = cache.rows // B
+        key = ("step", self._graph_class("step", cache.row_class, N), N, cache.source is not None,
+               cache.output is not None)  # fmt: skip
         return self._call(key, tgt_in, *cache.arguments())[:live]
 
     def beam_candidates(
@@ -409,6 +434,13 @@ class CompiledDecoder(Decoder):
                 for t in batched:
                     _dynamic(t, 0)
         return self._call(key, *args)
+
+    def _graph_class(self, kind: str, cls: str, per_sentence: int = 1) -> str:
+        """The class of the graph of `kind` a batch of class cls decodes with: in a store, the few and the
+        many classes share it wherever it would be the same graph (shared_class). (Compiled in memory each
+        keeps its own: there a graph's sizes are bounded where its tensors are made, for their batch's
+        class.)"""
+        return cls if self.store is None else shared_class(kind, cls, per_sentence)
 
     def _call(self, key: tuple, *args: Any) -> Any:
         """The graph key[0] of self.graphs on args; the key names the graph (what changes a shape the graph
@@ -784,6 +816,13 @@ class StoredDecoder(CompiledDecoder):
 
     def __init__(self, model: Transformer, store: str | Path, max_sentences: int = 32, **options: Any):
         super().__init__(model, max_sentences, store, **options)
+
+    def _graph_class(self, kind: str, cls: str, per_sentence: int = 1) -> str:
+        """The class of the graph of `kind` a batch of class cls decodes with: in a store, the few and the
+        many classes share it wherever it would be the same graph (shared_class). (Compiled in memory each
+        keeps its own: there a graph's sizes are bounded where its tensors are made, for their batch's
+        class.)"""
+        return cls if self.store is None else shared_class(kind, cls, per_sentence)
 
     def _call(self, key: tuple, *args: Any) -> Any:
         if key not in self._packages and not self._path(key).is_file():

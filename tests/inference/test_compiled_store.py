@@ -97,13 +97,14 @@ def test_each_product_takes_the_kernel_of_its_rows_and_none_is_timed(compiled):
     """max_autotune (the default on a CPU) chooses between inductor's own GEMM kernel and the library's
     (oneDNN's linear) for every matrix product: by rule (compiler.TEMPLATE_ROWS), timing none, so that
     no decision is made twice, in any graph or process (test_two_processes_... below: another process
-    times none either). A few sentences' step, traced for 4 rows, runs inductor's kernels, inlined; their
-    memory, B x S rows, the library's."""
+    times none either). A few sentences' greedy step, traced for 4 rows, runs inductor's kernels, inlined;
+    the memory of two or more sentences (the few and the many share it: compiled.shared_class), B x S
+    rows, the library's."""
     store, timed, _ = compiled
     assert timed == 0
     step = package_code(next(store.glob("step-few-*.pt2")))
     assert "micro_gemm" in step and "_linear_pointwise" not in step
-    batch = package_code(next(store.glob("memory-few-*.pt2")))
+    batch = package_code(next(store.glob("memory-any-*.pt2")))
     assert "_linear_pointwise" in batch and "micro_gemm" not in batch
 
 
@@ -111,10 +112,10 @@ def test_a_store_serves_a_later_decoder_without_compiling(model, store):
     """Graphs exported to a store (AOTInductor packages) give eager's hypotheses (the store fixture), and a
     decoder made later over a fresh copy of the model (a second process, as far as it can tell) loads
     them instead of compiling: the cached second run of `--compile`."""
-    # memory (the encoder and the cross keys/values) and step for a few sentences; greedy search's own
-    # work for 3 and fewer live sentences and for 1
+    # memory (the encoder and the cross keys/values), which the few and the many share, and greedy's step
+    # for a few sentences; greedy search's own work for 3 and fewer live sentences and for 1
     assert sorted("-".join(p.name.split("-")[:2]) for p in store.glob("*.pt2")) == [
-        "greedy-1", "greedy-2", "memory-few", "step-few"]  # fmt: skip
+        "greedy-1", "greedy-2", "memory-any", "step-few"]  # fmt: skip
     copy = Transformer(model.config).eval()
     copy.load_state_dict(model.state_dict())
     later = CompiledDecoder(copy, store=store)
@@ -218,7 +219,7 @@ def test_two_processes_compiling_one_graph_into_a_store_at_once(model, store, tm
     warnings."""
     shared = shutil.copytree(store, tmp_path / "store")
     # the graph both compile: the encoder's, the smallest with matrix products (whose kernels are chosen)
-    (shared / next(store.glob("memory-few-*.pt2")).name).unlink()
+    (shared / next(store.glob("memory-any-*.pt2")).name).unlink()
     weights, ready = tmp_path / "weights.pt", tmp_path / "ready"
     torch.save(model.state_dict(), weights)
     ready.mkdir()

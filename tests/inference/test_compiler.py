@@ -3,6 +3,8 @@ follow it, time nothing and print nothing: test_compiled_store.py.)"""
 
 import pytest
 
+from aiayn.inference import compiler
+from aiayn.inference.compiled import shared_class
 from aiayn.inference.compiler import choose, template_rows
 
 
@@ -34,3 +36,33 @@ def test_the_rule_keeps_one_candidate_by_the_rows(kind, rows, chosen):
         choice.layout, choice.name = Layout(), called
     assert choose([library, template]) == [template if chosen == "template" else library]
     assert choose([library]) == [library]
+
+
+@pytest.mark.parametrize(
+    ("cpu", "kind", "per_sentence", "few"),
+    [
+        # a memory is traced for 4 x 16 and 32 x 16 rows: the library's kernel and the many rows' int8
+        # route in both, on either class of CPU
+        ("vnni", "memory", 1, "any"),
+        ("avx2", "memory", 1, "any"),
+        # greedy's step, 4 and 32 rows: inductor's kernel (and the few rows' int8 route) against the library's
+        ("vnni", "step", 1, "few"),
+        ("avx2", "step", 1, "few"),
+        # a beam of 4, 16 and 128 rows: the library's from 16 rows on with VNNI, from 64 (fp32) without
+        ("vnni", "step", 4, "any"),
+        ("avx2", "step", 4, "few"),
+        ("vnni", "step", 5, "any"),
+        ("avx2", "step", 5, "few"),
+    ],
+)
+def test_the_few_and_the_many_share_a_graph_where_every_choice_by_rows_is_the_same(
+    monkeypatch, cpu, kind, per_sentence, few
+):
+    """compiled.shared_class: a stored graph for two or more sentences ("any") where the few and the many
+    classes, traced for 4 and 32 sentences, would choose every kernel (TEMPLATE_ROWS of the CPU's class)
+    and int8 route (precision.row_class: few below 16 rows) alike; else each class its own. One sentence
+    is always a class of its own."""
+    monkeypatch.setattr(compiler, "cpu_class", lambda: cpu)
+    assert shared_class(kind, "few", per_sentence) == few
+    assert shared_class(kind, "many", per_sentence) == ("any" if few == "any" else "many")
+    assert shared_class(kind, "one", per_sentence) == "one"

@@ -6,6 +6,7 @@ import torch
 
 from aiayn.config import SearchConfig, preset
 from aiayn.data.synthetic import generate
+from aiayn.inference.compiled import shared_class
 from aiayn.inference.search import FIRST_OUTPUT
 from aiayn.inference.translate import Translator
 from aiayn.inference.warmup import classes_up_to, plan
@@ -177,25 +178,31 @@ def test_transposed_weights_are_the_same_model_in_another_layout(model, tokenize
 
 
 @pytest.mark.parametrize(
-    ("max_sentences", "classes"), [(64, ["one", "few", "many"]), (5, ["one", "few"]), (1, ["one"])]
+    ("max_sentences", "classes"), [(64, ["one", "many", "few"]), (5, ["one", "few"]), (1, ["one"])]
 )
 def test_the_warm_up_plan_finds_each_classs_graphs_in_order_and_compiles_nothing(
     model, tokenizer, tmp_path, monkeypatch, max_sentences, classes
 ):
     """What a server's compile workers do first (warmup.py): the warm-up batch of each row class its
-    batches fall in (one sentence; a few; many, from 8, up to batch_sentences and the compiled decoder's
+    batches fall in (one sentence; many, from 8; a few; up to batch_sentences and the compiled decoder's
     32; larger batches decode eagerly), decoded eagerly once to find the graphs they meet, in the order met,
-    each with the classes whose batches need it. Nothing is compiled or written."""
+    each with the classes whose batches need it: a graph the few and the many share (shared_class) needed
+    by both. Nothing is compiled or written."""
     monkeypatch.setenv("AIAYN_COMPILE_STORE", str(tmp_path))
     beam = SearchConfig(beam_size=4)
     translator = Translator(model, tokenizer, beam, "fp32", compile=True)
     sizes = classes_up_to(min(max_sentences, translator.compiled.max_sentences))
     assert list(sizes) == classes
     needs = plan(translator, [beam], sizes)
-    assert [key[1] for key in needs if key[0] == "memory"] == classes
+    memories = [shared_class("memory", cls) for cls in classes]
+    assert [key[1] for key in needs if key[0] == "memory"] == list(dict.fromkeys(memories))
     for cls in classes:  # each class: its memory and step, and beam search's own work of its sentences
         assert {key[0] for key, of in needs.items() if cls in of} == {"beam", "memory", "step"}, needs
-        assert all(key[1] == cls for key, of in needs.items() if cls in of and key[0] in ("memory", "step"))
+        assert all(
+            key[1] == shared_class(key[0], cls, *key[2:3])
+            for key, of in needs.items()
+            if cls in of and key[0] in ("memory", "step")
+        )
     assert translator.compiled.compile_seconds == 0.0 and list(tmp_path.iterdir()) == []
 
 
