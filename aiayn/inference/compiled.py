@@ -491,6 +491,10 @@ class CompiledDecoder(Decoder):
             )
         return out
 
+    def holds(self, key: tuple) -> bool:
+        """Whether graph key is compiled or loaded in this decoder."""
+        return key in self._packages or key in self._seen
+
     def adopt(self, key: tuple, path: Path) -> None:
         """Run graph key from now on with the package at path: one another process compiled (warmup.py).
         A graph this decoder has already is kept."""

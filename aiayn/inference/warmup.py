@@ -15,6 +15,7 @@ process group, which stop() ends: a package is written atomically, so none is ev
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import signal
@@ -40,6 +41,7 @@ from aiayn.tokenizer import EOS_ID
 SENTENCES = MappingProxyType({"one": 1, "many": MANY, "few": 2})
 NICE = 10  # the workers' niceness: the process that answers requests comes first
 LINE_TOKENS = 16  # a warm-up line's source tokens, about a Multi30k sentence's
+PLAN_STEPS = 2  # how far past its source's length a planning search decodes a line (warm_up_batches)
 
 
 def classes_up_to(sentences: int) -> dict[str, int]:
@@ -55,7 +57,7 @@ def plan(translator: Any, searches: list[SearchConfig], sizes: dict[str, int]) -
     compiles, decoder.compiles = decoder.compiles, lambda key: False
     needs: dict[tuple, set[str]] = {}
     try:
-        for cls, run in warm_up_batches(translator, searches, sizes):
+        for cls, run in warm_up_batches(translator, searches, sizes, planning=True):
             decoder.calls = []
             run()
             for key in decoder.calls:
@@ -105,8 +107,11 @@ def compile_share(
         {"graph": list(key), "path": str(path), "seconds": round(seconds, 1)}
     )
     decoder.builds_at_once = workers == 1  # else the other workers use the other cores
+    mine = [key for key in needs if decoder.compiles(key)]
     try:
         for _, run in warm_up_batches(translator, searches, sizes):
+            if all(decoder.holds(key) for key in mine):
+                break  # the rest would only decode eagerly
             run()
     finally:
         decoder.compiles, decoder.on_compiled, decoder.builds_at_once = saved
@@ -375,13 +380,18 @@ class _no_such_process:
 
 
 def warm_up_batches(
-    translator: Any, searches: list[SearchConfig], sizes: dict[str, int]
+    translator: Any, searches: list[SearchConfig], sizes: dict[str, int], planning: bool = False
 ) -> Iterator[tuple[str, Callable[[], Any]]]:
     """Each class's warm-up batch with each search: (class, a function translating it). Its sentences are
     of different lengths, LINE_TOKENS and fewer (about a Multi30k sentence's), so that they end at
-    different steps, as a real batch's do, and the batch meets the graphs of fewer live sentences too."""
+    different steps, as a real batch's do, and the batch meets the graphs of fewer live sentences too.
+    planning: the searches stop PLAN_STEPS past each source's length (the graphs a batch meets do not
+    depend on how long it decodes, only on its sentences ending at different steps: a model with random
+    weights, never ending a sentence, decoded each for its source length + 50)."""
     vocabulary = translator.model.config.src_vocab_size
     tokens = [4 + i % (vocabulary - 4) for i in range(LINE_TOKENS - 1)]
+    if planning:
+        searches = [dataclasses.replace(s, max_len_a=1.0, max_len_b=PLAN_STEPS) for s in searches]
     for cls, sentences in sizes.items():
         lines = [tokens[: len(tokens) - i % 8] + [EOS_ID] for i in range(sentences)]
         for search in searches:

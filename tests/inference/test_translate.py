@@ -6,6 +6,7 @@ import torch
 
 from aiayn.config import SearchConfig, preset
 from aiayn.data.synthetic import generate
+from aiayn.inference import warmup
 from aiayn.inference.compiled import shared_class
 from aiayn.inference.search import FIRST_OUTPUT
 from aiayn.inference.translate import Translator
@@ -194,6 +195,10 @@ def test_the_warm_up_plan_finds_each_classs_graphs_in_order_and_compiles_nothing
     sizes = classes_up_to(min(max_sentences, translator.compiled.max_sentences))
     assert list(sizes) == classes
     needs = plan(translator, [beam], sizes)
+    # planned with searches that stop 2 tokens past each source: the graphs, classes and order of the
+    # whole searches (the default search decodes 50 past)
+    monkeypatch.setattr(warmup, "PLAN_STEPS", beam.max_len_b)
+    assert list(plan(translator, [beam], sizes).items()) == list(needs.items())
     memories = [shared_class("memory", cls) for cls in classes]
     assert [key[1] for key in needs if key[0] == "memory"] == list(dict.fromkeys(memories))
     for cls in classes:  # each class: its memory and step, and beam search's own work of its sentences
