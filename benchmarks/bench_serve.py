@@ -330,13 +330,15 @@ class Console:
             self.lines.append((time.monotonic() - start, line.rstrip("\n")))
 
 
-def cold_env(store: Path, cache: Path) -> dict:
+def cold_env(store: Path, cache: Path, headers_kept: bool = False) -> dict:
     """A first use on the machine: an empty store and inductor cache, and an empty temporary directory,
-    where inductor keeps its precompiled headers whatever its cache directory."""
-    tmp = cache.with_name(f"{cache.name}-tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "AIAYN_COMPILE_STORE": str(store), "TORCHINDUCTOR_CACHE_DIR": str(cache),
-            "TMPDIR": str(tmp)}  # fmt: skip
+    where inductor keeps its precompiled headers whatever its cache directory (headers_kept: the
+    machine's, as an earlier run left them)."""
+    env = {**os.environ, "AIAYN_COMPILE_STORE": str(store), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    if not headers_kept:
+        env["TMPDIR"] = str(cache.with_name(f"{cache.name}-tmp"))
+        Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    return env
 
 
 def serve_cold(model: Path, dtype: str, env: dict, text: str, log: Path) -> dict:
@@ -437,8 +439,9 @@ def cold_start(args) -> None:
         model = cold_model(config)
         for dtype in args.dtypes.split(","):
             with tempfile.TemporaryDirectory(prefix="aiayn-cold-") as scratch:
-                empty = cold_env(Path(scratch) / "store-1", Path(scratch) / "inductor-1")
-                filled = cold_env(Path(scratch) / "store-2", Path(scratch) / "inductor-2")
+                kept = args.headers_kept
+                empty = cold_env(Path(scratch) / "store-1", Path(scratch) / "inductor-1", kept)
+                filled = cold_env(Path(scratch) / "store-2", Path(scratch) / "inductor-2", kept)
                 row = {
                     "config": config,
                     "dtype": dtype,
@@ -465,6 +468,7 @@ def cold_start(args) -> None:
         "benchmark": "cold_start",
         "machine": machine(),
         "isa": args.isa,
+        "headers_kept": args.headers_kept,
         "command": shlex.join(["python", *sys.argv]),
         "load_before": load_before,
         "results": rows,
@@ -495,6 +499,12 @@ def main() -> None:
         "--isa", default="native", choices=["native", "avx2"], help="--cold-start: cap every process"
     )
     p.add_argument("--results", help="--cold-start: write the summary here (docs/ renders it)")
+    p.add_argument(
+        "--headers-kept",
+        action="store_true",
+        help="--cold-start: keep the machine's precompiled headers of inductor (as figures before they "
+        "were built ahead were measured)",
+    )
     args = p.parse_args()
     if args.cold_start:
         return cold_start(args)
