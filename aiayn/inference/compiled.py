@@ -821,13 +821,6 @@ class StoredDecoder(CompiledDecoder):
     def __init__(self, model: Transformer, store: str | Path, max_sentences: int = 32, **options: Any):
         super().__init__(model, max_sentences, store, **options)
 
-    def _graph_class(self, kind: str, cls: str, per_sentence: int = 1) -> str:
-        """The class of the graph of `kind` a batch of class cls decodes with: in a store, the few and the
-        many classes share it wherever it would be the same graph (shared_class). (Compiled in memory each
-        keeps its own: there a graph's sizes are bounded where its tensors are made, for their batch's
-        class.)"""
-        return cls if self.store is None else shared_class(kind, cls, per_sentence)
-
     def _call(self, key: tuple, *args: Any) -> Any:
         if key not in self._packages and not self._path(key).is_file():
             raise NotStored(key)

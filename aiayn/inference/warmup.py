@@ -73,6 +73,7 @@ def plan_as_json(needs: dict[tuple, set[str]]) -> list:
 
 
 def plan_from_json(value: list) -> dict[tuple, set[str]]:
+    """A plan back from JSON (plan_as_json)."""
     return {_key(key): set(classes) for key, classes in value}
 
 
