@@ -318,6 +318,7 @@ class CompiledDecoder(Decoder):
         self.compile_seconds = 0.0  # the first call of each graph, compile included
         self.load_seconds = 0.0  # reading graphs compiled by an earlier process from the store
         self._seen: set[tuple] = set()  # the keys of the graphs compiled in memory
+        self._graph_classes: dict[tuple, str] = {}  # _graph_class's answers: asked at every step
         self._packages: dict[tuple, _Package] = {}  # the keys of the graphs from the store
         self._fingerprint: str | None = None
         self._search_fingerprint: str | None = None
@@ -436,11 +437,17 @@ class CompiledDecoder(Decoder):
         return self._call(key, *args)
 
     def _graph_class(self, kind: str, cls: str, per_sentence: int = 1) -> str:
-        """The class of the graph of `kind` a batch of class cls decodes with: in a store, the few and the
-        many classes share it wherever it would be the same graph (shared_class). (Compiled in memory each
-        keeps its own: there a graph's sizes are bounded where its tensors are made, for their batch's
-        class.)"""
-        return cls if self.store is None else shared_class(kind, cls, per_sentence)
+        """The class of the graph of `kind` a batch of class cls decodes with: in a store on a CPU, the few
+        and the many classes share it wherever it would be the same graph (shared_class: the CPU's rules).
+        (Compiled in memory each keeps its own: there a graph's sizes are bounded where its tensors are
+        made, for their batch's class.)"""
+        if self.store is None:
+            return cls
+        asked = (kind, cls, per_sentence)
+        if asked not in self._graph_classes:  # asked at every step: the rules once
+            on_cpu = next(self.model.parameters()).device.type == "cpu"
+            self._graph_classes[asked] = shared_class(kind, cls, per_sentence) if on_cpu else cls
+        return self._graph_classes[asked]
 
     def _call(self, key: tuple, *args: Any) -> Any:
         """The graph key[0] of self.graphs on args; the key names the graph (what changes a shape the graph
