@@ -17,6 +17,7 @@ import shutil
 import struct
 import zipfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -162,10 +163,39 @@ def load_model_config(directory: str | Path) -> ModelConfig:
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu") -> Transformer:
     """Rebuild the model from config.json and load its weights, in eval mode."""
-    directory = Path(directory)
-    model = Transformer(load_model_config(directory))
+    return _with_weights(load_model_config(directory), Path(directory), device)
+
+
+def _with_weights(config: ModelConfig, directory: Path, device: str | torch.device) -> Transformer:
+    model = Transformer(config)
     load_weights(model, directory / WEIGHTS)
     return model.to(device).eval()
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A model directory read once, where its use begins (translating, serving, exporting, averaging,
+    fine-tuning): its configuration, tokenizer and search, each checked on the way in, and its weights
+    read when a model is asked for. What the directory holds is read here and nowhere else, and what
+    needs it is given this instead of the path."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    search: SearchConfig  # search.json, else §6.1's
+
+    @classmethod
+    def read(cls, directory: str | Path | ModelDir) -> ModelDir:
+        """The model directory at a path (a ValueError naming it where it holds no model); one already
+        read is returned as it is."""
+        if isinstance(directory, ModelDir):
+            return directory
+        directory = Path(directory)
+        return cls(directory, load_model_config(directory), Tokenizer.load(directory), load_search(directory))
+
+    def model(self, device: str | torch.device = "cpu") -> Transformer:
+        """Its model with the weights loaded, in eval mode."""
+        return _with_weights(self.config, self.path, device)
 
 
 def check_export_out(model_dir: Path, out: Path, force: bool) -> None:
@@ -258,10 +288,10 @@ def average_checkpoints(directories: list[Path]) -> dict[str, torch.Tensor]:
     """§6.1: the element-wise mean of the parameters of several checkpoints of one model."""
     if not directories:
         raise ValueError("no checkpoints to average")
-    configs = {load_model_config(d) for d in directories}
-    if len(configs) > 1:
+    models = [ModelDir.read(d) for d in directories]
+    if len({m.config for m in models}) > 1:
         raise ValueError(f"checkpoints {[str(d) for d in directories]} have different configs")
-    tokenizers = {tuple(sorted(Tokenizer.load(d).files().items())) for d in directories}
+    tokenizers = {tuple(sorted(m.tokenizer.files().items())) for m in models}
     if len(tokenizers) > 1:
         raise ValueError(
             f"checkpoints {[str(d) for d in directories]} have different tokenizers: they are not one run"
@@ -296,10 +326,17 @@ def average(out: str | Path, last: int, dest: str | Path, force: bool = False) -
             )
         check_replaceable(dest, force)
     chosen = checkpoints[-last:]
-    model = Transformer(load_model_config(chosen[0]))
-    load_state_dict_tied(model, average_checkpoints(chosen))
-    save_model(dest, model, Tokenizer.load(chosen[-1]), load_search(chosen[-1]))
+    last_one = ModelDir.read(chosen[-1])
+    save_model(dest, averaged_model(chosen), last_one.tokenizer, last_one.search)
     return dest
+
+
+def averaged_model(directories: list[Path]) -> Transformer:
+    """§6.1: the model whose parameters are the mean of those of several checkpoints of one run."""
+    tensors = average_checkpoints(directories)  # (which checks that they are one model)
+    model = Transformer(ModelDir.read(directories[0]).config)
+    load_state_dict_tied(model, tensors)
+    return model.eval()
 
 
 def load_state_dict_tied(model: Transformer, tensors: dict[str, torch.Tensor]) -> None:

@@ -305,6 +305,30 @@ def test_search_json_round_trips_defaults_to_the_papers_and_never_outlives_its_m
         checkpoint.load_search(saved)
 
 
+def test_a_model_directory_is_read_once_where_its_use_begins(saved, tokenizers):
+    """ModelDir.read holds what the directory says (the configuration, tokenizer and search that were
+    saved) and its model has the saved weights; what is given a ModelDir reads none of that again: with
+    the directory's config, search and tokenizer files gone after the read, a translator still loads from
+    it, with the search it held, and translates as one loaded from the whole directory."""
+    tokenizer = tokenizers["joint"]
+    search = SearchConfig(beam_size=2, alpha=1.0, length_penalty="average", max_len_b=8)
+    saved_model = checkpoint.load_model(saved)
+    checkpoint.save_model(saved, saved_model, tokenizer, search)
+    model_dir = checkpoint.ModelDir.read(saved)
+    assert checkpoint.ModelDir.read(model_dir) is model_dir
+    assert (model_dir.path, model_dir.config, model_dir.search) == (saved, saved_model.config, search)
+    assert model_dir.tokenizer.files() == tokenizer.files()
+    for name, tensor in model_dir.model().state_dict().items():
+        assert torch.equal(tensor, saved_model.state_dict()[name]), name
+    whole = Translator.load(saved, device="cpu").translate(SRC[:3])
+    for name in [checkpoint.CONFIG, checkpoint.SEARCH, *tokenizer.files()]:
+        (saved / name).unlink()
+    translator = Translator.load(model_dir, device="cpu")
+    assert translator.search_config == search and translator.translate(SRC[:3]) == whole
+    with pytest.raises(ValueError, match=re.escape(f"{saved}: not a model directory")):
+        checkpoint.ModelDir.read(saved)
+
+
 def test_load_missing_directory(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'nope'}: not a directory")):
         checkpoint.load_model(tmp_path / "nope")

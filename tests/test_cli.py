@@ -419,7 +419,7 @@ def test_translate_starts_from_the_models_search_json_and_flags_override_it(work
     import argparse
     import shutil
 
-    from aiayn.cli.common import search_config_from
+    from aiayn.cli.common import read_model, search_config_from
     from aiayn.config import SearchConfig
 
     root, model, _, _ = workdir
@@ -433,8 +433,11 @@ def test_translate_starts_from_the_models_search_json_and_flags_override_it(work
         unset = {"beam_size": None, "alpha": None, "length_penalty": None}
         return argparse.Namespace(**{"model": own, **unset, **given})
 
-    assert search_config_from(flags()) == SearchConfig(beam_size=3, alpha=1.0, length_penalty="average")
-    assert search_config_from(flags(alpha=0.2), n_best=5) == SearchConfig(
+    def search_of(args, **kwargs):
+        return search_config_from(args, read_model(args), **kwargs)
+
+    assert search_of(flags()) == SearchConfig(beam_size=3, alpha=1.0, length_penalty="average")
+    assert search_of(flags(alpha=0.2), n_best=5) == SearchConfig(
         beam_size=5, alpha=0.2, length_penalty="average", n_best=5
     )
     outputs = {}

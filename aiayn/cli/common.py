@@ -12,6 +12,9 @@ from aiayn.config import InferenceOptions, SearchConfig, from_dict
 from aiayn.inference.evaluate import TOKENIZERS
 from aiayn.precision import DEFAULT_DTYPE, Dtype, resolve_device, resolve_dtype
 
+if typing.TYPE_CHECKING:
+    from aiayn.checkpoint import ModelDir
+
 
 def say(text: str) -> None:
     print(text, file=sys.stderr)
@@ -94,11 +97,16 @@ def scoring_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenize", choices=TOKENIZERS, default="13a", help="sacreBLEU's BLEU tokenizer (-tok)")
 
 
-def search_config_from(args: argparse.Namespace, n_best: int = 1) -> SearchConfig:
-    """The model's own search (its search.json, else §6.1's), with the flags the user gave over it."""
-    from aiayn.checkpoint import load_search
+def read_model(args: argparse.Namespace) -> ModelDir:
+    """The model directory the command was given, read once: a clear error before any work."""
+    from aiayn.checkpoint import ModelDir
 
-    base = asdict(load_search(args.model))
+    return ModelDir.read(args.model)
+
+
+def search_config_from(args: argparse.Namespace, model: ModelDir, n_best: int = 1) -> SearchConfig:
+    """The model's own search (its search.json, else §6.1's), with the flags the user gave over it."""
+    base = asdict(model.search)
     fields = {"beam_size": args.beam_size, "alpha": args.alpha, "length_penalty": args.length_penalty}
     fields = {**base, **{k: v for k, v in fields.items() if v is not None}}
     return from_dict(SearchConfig, fields, where="search options").with_n_best(n_best)
@@ -113,10 +121,10 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
     return options
 
 
-def load_translator(args: argparse.Namespace, search_config: SearchConfig):
+def load_translator(args: argparse.Namespace, model: ModelDir, search_config: SearchConfig):
     from aiayn.inference.translate import Translator
 
-    return Translator.load(args.model, search_config, inference_options(args))
+    return Translator.load(model, search_config, inference_options(args))
 
 
 def as_lines(texts: list[str]) -> str:

@@ -38,13 +38,13 @@ def add_shortlist(sub: Any) -> None:
 
 
 def cmd_shortlist(args: argparse.Namespace) -> None:
+    from aiayn.checkpoint import ModelDir
     from aiayn.data.prepare import open_prepared
     from aiayn.inference.shortlist import VMAP_FILE, Shortlist
-    from aiayn.tokenizer import Tokenizer
     from aiayn.training.run import DATA
 
     data = open_prepared(args.data or Path(args.model) / DATA)
-    tokenizer = Tokenizer.load(args.model)
+    tokenizer = ModelDir.read(args.model).tokenizer
     if (
         tokenizer.src_tokens() != data.tokenizer.src_tokens()
         or tokenizer.tgt_tokens() != data.tokenizer.tgt_tokens()

@@ -41,10 +41,10 @@ def add_serve(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     # uvicorn's httptools and uvloop come with the extra too, but it runs without them
     need("aiayn serve", "serve", "fastapi", "uvicorn", "prometheus_client")  # (serve() checks --engine's)
-    from aiayn.checkpoint import load_model_config
+    from aiayn.checkpoint import ModelDir
     from aiayn.serving.server import serve
 
-    load_model_config(args.model)  # a model directory, or a clear error before any work
+    model = ModelDir.read(args.model)  # a model directory, or a clear error before any work
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.threads is not None and args.threads < 1:
@@ -54,5 +54,5 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.compile is None:  # a server compiles in the background from its start; CTranslate2 has no graphs
         args.compile = args.engine == "torch"
     options = inference_options(args)
-    serve(args.model, config, options, host=args.host, port=args.port, api_key=args.api_key,
+    serve(model, config, options, host=args.host, port=args.port, api_key=args.api_key,
           cors_origins=tuple(args.cors_origin))  # fmt: skip

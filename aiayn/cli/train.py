@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -34,6 +34,9 @@ from aiayn.data.corpus import check_sources, input_path
 from aiayn.extras import need
 from aiayn.files import check_replaceable, check_writable_dir
 from aiayn.precision import resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from aiayn.checkpoint import ModelDir
 
 DATA_FORMS = (
     "PREFIX (PREFIX.SRC and PREFIX.TGT, .gz ok), FILE.tsv, - (TSV on stdin) or hf:NAME[:CONFIG[:SPLIT]]"
@@ -109,7 +112,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     """`aiayn train`: every input checked before OUT changes, the data prepared (rank 0), the preset that
     the corpus picks, then the training loop; the exit status says how it stopped. Long for a reason: the
     order of these checks across torchrun's ranks is the point, and reads best in one place."""
-    from aiayn.checkpoint import load_model
     from aiayn.data.prepare import open_prepared
     from aiayn.training.distributed import Ranks
     from aiayn.training.run import Run
@@ -174,8 +176,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 model_config = preset_for_vocabulary(name, *sizes, **model_overrides)
             else:  # the model's own architecture, its dropout as --set gives it
                 model_config = dataclasses.replace(start.config, **model_overrides)
-                if not run.resuming:  # (a resume takes its checkpoint's weights)
-                    init = load_model(args.init).state_dict()
+                if not run.resuming:  # (a resume takes its checkpoint's weights; start is --init here)
+                    init = start.model().state_dict()
         vocab = choose(name, vocab_size=args.vocab_size).vocab_size  # what prepare was asked for
         settings = {} if args.data else {"tokenizer": f"{args.tokenizer}, vocab_size {vocab}, " + (
             "separate" if args.separate_vocab else "joint")}  # fmt: skip
@@ -250,26 +252,17 @@ def train_config(
     return from_dict(TrainConfig, preset | flags | overrides)
 
 
-class FineTuningStart(NamedTuple):
-    """What a fine-tuning run (--init) takes from the model it starts from, besides its weights."""
-
-    config: ModelConfig
-    tokenizer: Any  # aiayn.tokenizer.Tokenizer
-    search: SearchConfig
-
-
-def fine_tuning_start(args: argparse.Namespace, model_overrides: dict[str, Any]) -> FineTuningStart | None:
-    """--init's model directory's configuration, tokenizer and search, or None without --init; a ValueError
-    for a directory that holds no model, or flags that would change its architecture or vocabulary."""
-    from aiayn.checkpoint import list_checkpoints, load_model_config, load_search
-    from aiayn.tokenizer import Tokenizer
+def fine_tuning_start(args: argparse.Namespace, model_overrides: dict[str, Any]) -> ModelDir | None:
+    """The model directory a fine-tuning run (--init) starts from (its configuration, tokenizer, search
+    and weights), or None without --init; a ValueError for a directory that holds no model, or flags that
+    would change its architecture or vocabulary."""
+    from aiayn.checkpoint import ModelDir, list_checkpoints
 
     if args.init is None:
         return None
     # a resume reads them from its own last checkpoint: the same, and the model directory may have moved
     saved = list_checkpoints(args.out) if args.resume else []
-    source = saved[-1] if saved else args.init
-    start = FineTuningStart(load_model_config(source), Tokenizer.load(source), load_search(source))
+    start = ModelDir.read(saved[-1] if saved else args.init)
     fixed = sorted(set(model_overrides) - FINE_TUNABLE)
     if fixed:
         raise ValueError(

@@ -15,6 +15,7 @@ from aiayn.cli.common import (
     as_lines,
     encoding_flag,
     load_translator,
+    read_model,
     say,
     scoring_flags,
     search_config_from,
@@ -40,11 +41,12 @@ def add_translate(sub: Any) -> None:
 
 
 def cmd_translate(args: argparse.Namespace) -> None:
-    search_config = search_config_from(args, args.n_best)
+    model = read_model(args)
+    search_config = search_config_from(args, model, args.n_best)
     source = input_path(args.input or STDIN)
     if args.output is not None:
         check_writable_file(args.output)
-    translator = load_translator(args, search_config)
+    translator = load_translator(args, model, search_config)
     hint_compile(args, translator)
     lines = read_lines(source, args.encoding_errors)
     compile_ahead(args, translator, lines, args.n_best)
@@ -124,7 +126,8 @@ def add_evaluate(sub: Any) -> None:
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from aiayn.inference.evaluate import evaluate
 
-    search_config = search_config_from(args)
+    model = read_model(args)
+    search_config = search_config_from(args, model)
     src, ref = input_path(args.src), input_path(args.ref)
     if src == ref == STDIN:
         raise ValueError("--src and --ref cannot both be standard input")
@@ -138,7 +141,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         raise ValueError(f"{ref}: all {len(references)} reference lines are blank")
     if len(sources) != len(references):
         raise ValueError(f"{src} has {len(sources)} lines but {ref} has {len(references)}")
-    translator = load_translator(args, search_config)
+    translator = load_translator(args, model, search_config)
     hint_compile(args, translator)
     compile_ahead(args, translator, sources, 1)
     result = evaluate(translator, sources, references, not args.quiet, args.lowercase, args.tokenize)
@@ -188,11 +191,9 @@ def add_plot(sub: Any) -> None:
 
 def cmd_plot(args: argparse.Namespace) -> None:
     need("aiayn plot", "plots", "matplotlib")
-    from aiayn.checkpoint import load_model_config
     from aiayn.inference.plots import plot_attention, plot_curves
     from aiayn.training.log import METRICS
 
-    search_config = replace(search_config_from(args), beam_size=1)  # the maps are of the greedy output
     if args.sentence is not None and not args.sentence.strip():
         raise ValueError("--sentence is blank: give the source sentence whose attention to draw")
     metrics = Path(args.model) / METRICS
@@ -200,12 +201,12 @@ def cmd_plot(args: argparse.Namespace) -> None:
         raise ValueError(
             f"{args.model}: no {METRICS} to plot curves from; give --sentence for attention maps"
         )
-    if args.sentence is not None:
-        load_model_config(args.model)  # a model directory, or a clear error before any work
+    model = read_model(args) if args.sentence is not None else None  # curves alone need no model
     out = check_writable_dir(args.out or args.model, "plot directory")
     paths = []
     if metrics.is_file():
         paths.append(plot_curves(metrics, out / "curves.png"))
-    if args.sentence is not None:
-        paths += plot_attention(load_translator(args, search_config), args.sentence, out)
+    if model is not None:
+        search_config = replace(search_config_from(args, model), beam_size=1)  # the maps: the greedy output's
+        paths += plot_attention(load_translator(args, model, search_config), args.sentence, out)
     print(json.dumps({"plots": [str(p) for p in paths]}))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from aiayn.checkpoint import load_model, load_search
+from aiayn.checkpoint import ModelDir
 from aiayn.config import Compile, InferenceOptions, SearchConfig
 from aiayn.inference.compiled import (
     CompiledDecoder,
@@ -81,13 +81,14 @@ class Translator:
     @classmethod
     def load(
         cls,
-        directory: str | Path,
+        directory: str | Path | ModelDir,
         search_config: SearchConfig | None = None,
         options: InferenceOptions | None = None,
         **overrides: Any,
     ) -> Translator:
-        """A model directory, in the layout and number format that translate fastest (for_inference);
-        without a search_config, the one the model directory names (search.json), else §6.1's.
+        """A model directory (a path, or one ModelDir.read has read), in the layout and number format that
+        translate fastest (for_inference); without a search_config, the one the model directory names
+        (search.json), else §6.1's.
         options (config.InferenceOptions; overrides: some of its fields, e.g. dtype="fp32", device="cpu"):
         compile=True decodes with a compiled step (compiled.py): the first batch of each row class compiles
         its graphs, or loads what an earlier process compiled from the store (compiled.default_store), and
@@ -100,15 +101,14 @@ class Translator:
         options = replace(options or InferenceOptions(), **given)
         device = resolve_device(options.device)
         configure(device)
-        model = load_model(directory, device)
-        search_config = search_config or load_search(directory)  # the model's own, else §6.1's
-        tokenizer = Tokenizer.load(directory)
-        candidates = load_shortlist(directory, tokenizer) if options.shortlist else None
-        model = for_inference(model, options.dtype)
+        model_dir = ModelDir.read(directory)
+        model = for_inference(model_dir.model(device), options.dtype)
+        candidates = load_shortlist(model_dir.path, model_dir.tokenizer) if options.shortlist else None
         translator = cls(
-            model, tokenizer, search_config, options.dtype, compile=options.compile, shortlist=candidates
-        )
-        translator.source = (Path(directory).resolve(), options)
+            model, model_dir.tokenizer, search_config or model_dir.search, options.dtype,
+            compile=options.compile, shortlist=candidates,
+        )  # fmt: skip
+        translator.source = (model_dir.path.resolve(), options)
         return translator
 
     def attention(self, ids: list[int]) -> tuple[list[int], dict[str, list[torch.Tensor]]]:

@@ -13,7 +13,7 @@ from ctranslate2.converters import Converter
 from ctranslate2.specs import common_spec, model_spec, transformer_spec
 from tqdm import tqdm
 
-from aiayn.checkpoint import EXPORT_CONFIG, check_export_out, load_model, read_model_config
+from aiayn.checkpoint import EXPORT_CONFIG, ModelDir, check_export_out, read_model_config
 from aiayn.config import SearchConfig, save_json
 from aiayn.files import staged_dir
 from aiayn.inference.search import Hypothesis, length_penalty
@@ -128,25 +128,24 @@ class SpecConverter(Converter):
 
 
 def export_ctranslate2(
-    model_dir: str | Path, out: str | Path, quantization: str | None = None, force: bool = False
+    model_dir: str | Path | ModelDir, out: str | Path, quantization: str | None = None, force: bool = False
 ) -> Path:
     """Write model directory MODEL_DIR as a CTranslate2 model directory OUT (with our tokenizer files).
 
     quantization: one of CTranslate2's weight types (int8, float16, ...); None keeps float32.
     OUT is made under a temporary name and renamed, so a failed export leaves nothing half written.
     """
-    model_dir, out = Path(model_dir), Path(out)
+    model_dir, out = ModelDir.read(model_dir), Path(out)
     if quantization is not None and quantization not in model_spec.ACCEPTED_MODEL_TYPES:
         raise ValueError(
             f"unknown quantization {quantization!r}; "
             f"choose one of {', '.join(model_spec.ACCEPTED_MODEL_TYPES)}"
         )
-    check_export_out(model_dir, out, force)
-    model = load_model(model_dir)
-    tokenizer = Tokenizer.load(model_dir)
+    check_export_out(model_dir.path, out, force)
+    model, tokenizer = model_dir.model(), model_dir.tokenizer
     spec = ctranslate2_spec(model, tokenizer)
-    if (model_dir / VMAP_FILE).is_file():  # the shortlist, for translate_batch(use_vmap=True)
-        spec.register_vocabulary_mapping(str(model_dir / VMAP_FILE))
+    if (model_dir.path / VMAP_FILE).is_file():  # the shortlist, for translate_batch(use_vmap=True)
+        spec.register_vocabulary_mapping(str(model_dir.path / VMAP_FILE))
     with staged_dir(out) as tmp:
         SpecConverter(spec).convert(str(tmp), quantization=quantization, force=True)
         tokenizer.save(tmp)

@@ -37,7 +37,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
-from aiayn.checkpoint import EXPORT_CONFIG, check_export_out, load_model, load_search
+from aiayn.checkpoint import EXPORT_CONFIG, ModelDir, check_export_out
 from aiayn.config import ModelConfig, SearchConfig, save_json
 from aiayn.extras import need
 from aiayn.files import staged_dir, write_contents
@@ -355,11 +355,9 @@ def marian_tokenizer_files(tokenizer: Tokenizer, max_positions: int) -> dict[str
     return files
 
 
-def write_transformers(model_dir: Path, directory: Path) -> str:
+def write_transformers(model_dir: ModelDir, directory: Path) -> str:
     """Write the transformers directory of model_dir into directory (existing, empty); its model type."""
-    model = load_model(model_dir)
-    tokenizer = Tokenizer.load(model_dir)
-    search = load_search(model_dir)
+    model, tokenizer, search = model_dir.model(), model_dir.tokenizer, model_dir.search
     hf = to_transformers(model)
     hf.generation_config = generation_config(search, hf.config)
     hf.save_pretrained(directory, safe_serialization=True)
@@ -391,26 +389,26 @@ def write_transformers(model_dir: Path, directory: Path) -> str:
     return hf.config.model_type
 
 
-def export_transformers(model_dir: str | Path, out: str | Path, force: bool = False) -> Path:
+def export_transformers(model_dir: str | Path | ModelDir, out: str | Path, force: bool = False) -> Path:
     """Write model directory MODEL_DIR as a Hugging Face transformers directory OUT: config.json,
     model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json (and aiayn's
     config). OUT is made under a temporary name and renamed: a failed export leaves nothing half written."""
-    model_dir, out = Path(model_dir), Path(out)
-    check_export_out(model_dir, out, force)
+    model_dir, out = ModelDir.read(model_dir), Path(out)
+    check_export_out(model_dir.path, out, force)
     with staged_dir(out) as tmp:
         write_transformers(model_dir, tmp)
     return out
 
 
-def export_onnx(model_dir: str | Path, out: str | Path, force: bool = False) -> Path:
+def export_onnx(model_dir: str | Path | ModelDir, out: str | Path, force: bool = False) -> Path:
     """Write model directory MODEL_DIR as ONNX models OUT: the transformers export, then Optimum's ONNX
     exporter (optimum-onnx), for ONNX Runtime: encoder_model.onnx, decoder_model.onnx,
     decoder_with_past_model.onnx and decoder_model_merged.onnx, with the tokenizer and configs, which
     `optimum.onnxruntime.ORTModelForSeq2SeqLM.from_pretrained(OUT)` loads."""
     from optimum.exporters.onnx import main_export
 
-    model_dir, out = Path(model_dir), Path(out)
-    check_export_out(model_dir, out, force)
+    model_dir, out = ModelDir.read(model_dir), Path(out)
+    check_export_out(model_dir.path, out, force)
     with tempfile.TemporaryDirectory(prefix="aiayn-hf-") as hf_dir, staged_dir(out) as tmp:
         write_transformers(model_dir, Path(hf_dir))
         main_export(

@@ -557,9 +557,9 @@ def load_aiayn_weights(model: keras.Model, state: Mapping[str, np.ndarray]) -> N
 
 def from_aiayn(model_dir: str | Path) -> keras.Model:
     """An aiayn model directory (what `aiayn train --out` wrote) as the Keras model, in float32."""
-    from aiayn.checkpoint import load_model  # torch, and aiayn's loader (legacy names, tied weights)
+    from aiayn.checkpoint import ModelDir  # torch, and aiayn's loader (legacy names, tied weights)
 
-    torch_model = load_model(model_dir)
+    torch_model = ModelDir.read(model_dir).model()
     model = transformer(**asdict(torch_model.config))
     load_aiayn_weights(model, {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()})
     return model

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-from aiayn.checkpoint import load_search
+from aiayn.checkpoint import ModelDir
 from aiayn.config import InferenceOptions, ServeConfig
 from aiayn.extras import need
 from aiayn.files import check_writable_dir
@@ -23,7 +23,7 @@ from aiayn.serving.worker import log
 
 
 def serve(
-    model_dir: str | Path,
+    model_dir: str | Path | ModelDir,
     config: ServeConfig,
     options: InferenceOptions,
     *,
@@ -40,7 +40,8 @@ def serve(
     if options.engine == "ctranslate2":  # before the port and the model
         need("--engine ctranslate2", "ctranslate2", "ctranslate2")
     listener = listen(host, port)  # before the model loads: a port in use is said at once
-    search = replace(load_search(model_dir), beam_size=config.beam_size)  # alpha, penalty: the model's
+    model_dir = ModelDir.read(model_dir)
+    search = replace(model_dir.search, beam_size=config.beam_size)  # alpha, penalty: the model's
     engine = options.engine
     if engine == "ctranslate2" and search.length_penalty != "average":  # CTranslate2 has only that one
         search = replace(search, length_penalty="average")

@@ -19,13 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.checkpoint import (
-    average_checkpoints,
-    checkpoint_path,
-    load_model,
-    load_model_config,
-    load_state_dict_tied,
-)
+from aiayn.checkpoint import averaged_model, checkpoint_path, load_model
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig
 from aiayn.data.corpus import batch_plan, collate, filter_lengths, make_batches
 from aiayn.data.prepare import Ids, Prepared, collate_ids
@@ -311,9 +305,8 @@ def final_validation(run: Run, validation: Validation, state: Progress, device: 
     chosen = [checkpoint_path(run.out, step) for step in steps]
     final = Final(search, single["bleu_signature"], single["bleu"])
     if len(chosen) >= 2:
-        model = Transformer(load_model_config(chosen[0]))
-        load_state_dict_tied(model, average_checkpoints(chosen))
-        average = Translator(model.to(device).eval(), run.tokenizer, search, cfg.dtype)
+        model = averaged_model(chosen)
+        average = Translator(model.to(device), run.tokenizer, search, cfg.dtype)
         average_bleu = validation.score(average)["bleu"]
         final = Final(search, single["bleu_signature"], single["bleu"], tuple(steps), average_bleu)
         if final.kept == "average":
