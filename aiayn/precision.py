@@ -121,13 +121,13 @@ RowClass = Literal["one", "few", "many"]
 # max_autotune replaces by inductor's own GEMM template); "fp32", the float weights (MKL). Measured, not
 # guessed: per kernel by benchmarks/bench_gemm.py (docs/bench_gemm_cpu.json and, capped at AVX2,
 # docs/bench_gemm_cpu_avx2.json; tests/test_precision.py checks the AVX2 row against its file) and per
-# model by benchmarks/bench_translate.py. With VNNI, one row runs the weights-only route (compiled greedy
-# search of one sentence: 1.5x W8A8 for `small`, 1.6x for `base`, where oneDNN's int8 matrix-vector call
-# cost about 15 us whatever its size), a few rows too (oneDNN packs the weight for _int_mm on every call
-# from two rows on; even with W8A8 per model, fp32 there 0.3-0.7x), and a batch W8A8. Without VNNI integer
-# products are 3-7x slower than either float route, and from 16 rows on bf16 activations, which AVX2
-# widens to fp32 for every product, lose to fp32 by 1.4-1.8x: there a batch runs the float weights,
-# kept beside the int8 ones, and int8 is never slower than fp32.
+# model by benchmarks/bench_translate.py (their files hold the figures). With VNNI, one row runs the
+# weights-only route (faster than W8A8 in compiled greedy search of one sentence of `small` and of `base`:
+# oneDNN's int8 matrix-vector call has a fixed cost whatever its size), a few rows too (oneDNN packs the
+# weight for _int_mm on every call from two rows on, which costs more than W8A8's products save there),
+# and a batch W8A8. Without VNNI integer products are slower than either float route, and from 16 rows on
+# bf16 activations, which AVX2 widens to fp32 for every product, lose to fp32: there a batch runs the
+# float weights, kept beside the int8 ones, and int8 is never slower than fp32.
 INT8_ROUTES: Mapping[str, Mapping[RowClass, Route]] = MappingProxyType(
     {
         "vnni": MappingProxyType({"one": "woq", "few": "woq", "many": "w8a8"}),
