@@ -29,6 +29,8 @@ Configurations (both directions):
 - dropout2-updates-6000, -12000, -24000: the same with the model's dropout 0.2 instead of 0.1
   (`--set dropout=0.2`), one seed: a regulariser that costs nothing per update, for the short budgets.
 - smoothing2-updates-6000, -12000, -24000: the same with label smoothing 0.2 instead of 0.1.
+- bpedrop-src-updates-6000, -12000, -24000: de->en's README command (source-side BPE-dropout 0.1) given
+  a number of updates, in both directions: whether the recipe should take it below 20,000 updates.
 
     python benchmarks/bench_budget.py [--only all-30,before-30,...] [--directions de-en,en-de] [--plot FILE]
 
@@ -88,6 +90,12 @@ CONFIGS = {  # name: (flags, minutes, or updates for updates-N, seeds)
     **{f"smoothing2-updates-{n}": (RECIPE + ["--set", "label_smoothing=0.2"], n, (1,)) for n in UPDATES},
     # a smaller vocabulary: each subword's embedding sees more updates (Gowda and May, 2020)
     **{f"vocab4000-updates-{n}": (RECIPE + ["--vocab-size", "4000"], n, (1,)) for n in UPDATES},
+    # de->en's README command at a budget in updates, in both directions: the source side's BPE-dropout
+    # below the recipe's threshold for both sides
+    **{
+        f"bpedrop-src-updates-{n}": (RECIPE + ["--bpe-dropout", "0.1", "--bpe-dropout-source-only"], n, (1,))
+        for n in UPDATES
+    },
 }
 # Each direction's README command: the configuration whose runs make the README's table and the plot.
 COMMAND = {"de-en": "bpedrop-src", "en-de": "all"}
