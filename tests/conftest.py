@@ -24,6 +24,10 @@ from aiayn.training.run import Run
 from aiayn.training.train import Result, train
 
 torch.set_num_threads(1)
+# ... and one in the processes the tests start (the CLI, servers, their workers), unless a test says
+# otherwise: `make test` keeps a worker busy on each core, and a process of two threads beside them
+# spins on a core that is not free.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 # Files that take longest (compiling graphs, starting processes), scheduled first: `make test` gives each
 # of its workers a file at a time, and a long file started last would run on alone at the end.
