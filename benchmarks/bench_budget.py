@@ -31,6 +31,9 @@ Configurations (both directions):
 - smoothing2-updates-6000, -12000, -24000: the same with label smoothing 0.2 instead of 0.1.
 - bpedrop-src-updates-6000, -12000, -24000: de->en's README command (source-side BPE-dropout 0.1) given
   a number of updates, in both directions: whether the recipe should take it below 20,000 updates.
+- batch2048-updates-6000, -12000, -24000: the same with 2,048-token batches instead of the recipe's
+  1,024 (`--max-tokens 2048`), one seed: twice the compute of an update, so its 6,000 updates cost what
+  the recipe's 12,000 do: whether a budget buys more with fewer, larger updates.
 
     python benchmarks/bench_budget.py [--only all-30,before-30,...] [--directions de-en,en-de] [--plot FILE]
 
@@ -90,6 +93,8 @@ CONFIGS = {  # name: (flags, minutes, or updates for updates-N, seeds)
     **{f"smoothing2-updates-{n}": (RECIPE + ["--set", "label_smoothing=0.2"], n, (1,)) for n in UPDATES},
     # a smaller vocabulary: each subword's embedding sees more updates (Gowda and May, 2020)
     **{f"vocab4000-updates-{n}": (RECIPE + ["--vocab-size", "4000"], n, (1,)) for n in UPDATES},
+    # twice the target tokens an update (twice its compute): fewer, larger updates for the same budget
+    **{f"batch2048-updates-{n}": (RECIPE + ["--max-tokens", "2048"], n, (1,)) for n in UPDATES},
     # de->en's README command at a budget in updates, in both directions: the source side's BPE-dropout
     # below the recipe's threshold for both sides
     **{
