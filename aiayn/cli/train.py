@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -484,7 +485,9 @@ def tokenizer_flags(p: argparse.ArgumentParser) -> None:
 def relaunch_under_torchrun(args: argparse.Namespace) -> int:
     """`aiayn train --nproc N ...`: the same command under torchrun, N ranks on this machine. One OpenMP
     thread per rank on the CPU unless OMP_NUM_THREADS says otherwise (N ranks with a thread per core
-    each would fight for the cores). Ctrl-C and SIGTERM go to torchrun, which passes them on."""
+    each would fight for the cores). Ctrl-C and SIGTERM go to torchrun, which passes them on. torchrun's
+    own files (each rank's error file) go to a directory removed once it ends: left to itself, torchrun
+    makes one in the temporary directory at every launch and never removes it."""
     argv = list(args.argv)
     at = next(i for i, a in enumerate(argv) if a == "--nproc" or a.startswith("--nproc="))
     del argv[at : at + (1 if "=" in argv[at] else 2)]
@@ -498,16 +501,17 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int:
         "--standalone",
         f"--nproc-per-node={args.nproc}",
     ]
-    child = subprocess.Popen([*command, "-m", "aiayn", *argv], env=env)
-    forward = {
-        s: signal.signal(s, lambda signum, frame: child.send_signal(signum))
-        for s in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        return child.wait()
-    finally:
-        for s, handler in forward.items():
-            signal.signal(s, handler)
+    with tempfile.TemporaryDirectory(prefix="aiayn-torchrun-") as logs:
+        child = subprocess.Popen([*command, f"--log-dir={logs}", "-m", "aiayn", *argv], env=env)
+        forward = {
+            s: signal.signal(s, lambda signum, frame: child.send_signal(signum))
+            for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            return child.wait()
+        finally:
+            for s, handler in forward.items():
+                signal.signal(s, handler)
 
 
 def torch_cuda_available() -> bool:

@@ -136,9 +136,10 @@ def flags(corpus: Path, *extra) -> list[str]:
     ]  # fmt: skip
 
 
-def aiayn(*argv, **kwargs) -> subprocess.CompletedProcess:
+def aiayn(*argv, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "aiayn", *map(str, argv)]
-    return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=TIMEOUT, **kwargs)
+    return subprocess.run(command, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT,
+                          **kwargs)  # fmt: skip
 
 
 def test_more_processes_than_gpus_or_one_gpu_for_all_is_refused_before_cuda_is_touched(monkeypatch):
@@ -196,8 +197,12 @@ def reference(corpus, tmp_path_factory) -> Path:
     )
     assert code == 0, stderr
     assert odd_epoch(root / "one") == 19  # an odd tail at update 10
-    ddp = aiayn("train", *flags(corpus, *REFERENCE, "--out", root / "ddp", "--nproc", 2))
+    temporary = root / "tmp"  # the run's temporary directory: torchrun leaves nothing of its own there
+    temporary.mkdir()
+    ddp = aiayn("train", *flags(corpus, *REFERENCE, "--out", root / "ddp", "--nproc", 2),
+                env={"TMPDIR": str(temporary)})  # fmt: skip
     assert ddp.returncode == 0, ddp.stderr
+    assert list(temporary.glob("torchelastic_*")) == []
     assert ddp.stdout == stdout  # the last line, the run's: rank 0's alone (rank 1 prints nothing)
     return root
 
