@@ -57,7 +57,7 @@ def quality(record: dict) -> str:
         budget = budget_of(r)
         if (timed or given) and budget is not None and "not comparable" not in r.get("note", ""):
             minutes = minutes_of(config) if timed else r["minutes"]
-            runs.append((r["direction"], budget, cpu_name(r["machine"]), minutes, r))
+            runs.append((r["direction"], budget, cpu_name(r["machine"], line=False), minutes, r))
     lines = ["| direction | " + " | ".join(f"~{n:,} updates" for n in UPDATES) + " |", "|---|---:|---:|---:|"]
     for direction in COMMAND:
         cells = []
@@ -65,7 +65,7 @@ def quality(record: dict) -> str:
             groups: dict[tuple[str, float], list[dict]] = {}
             for d, b, cpu, minutes, r in runs:
                 if (d, b) == (direction, budget):
-                    groups.setdefault((cpu.removeprefix("AMD EPYC "), round(minutes, 1)), []).append(r)
+                    groups.setdefault((cpu, round(minutes, 1)), []).append(r)
             cells.append(
                 "; ".join(
                     ", ".join(f"{r['final_bleu']:.2f}" for r in sorted(group, key=lambda r: r["seed"]))
@@ -76,12 +76,7 @@ def quality(record: dict) -> str:
             )
         lines.append(f"| {ARROW[direction]} | " + " | ".join(cells) + " |")
     dates = sorted(r["date"] for *_, r in runs)
-    machines = sorted(
-        {
-            f"{cpu.removeprefix('AMD EPYC ')} = {r['machine'].split(', ', 1)[1].rstrip(',')}"
-            for *_, cpu, _, r in runs
-        }
-    )
+    machines = sorted({f"{cpu} = {r['machine'].split(', ', 1)[1].rstrip(',')}" for *_, cpu, _, r in runs})
     lines += [
         "",
         f"sacreBLEU on the 1,014-pair validation split (`{record['signature']}`), one figure per run (seed), "
@@ -95,7 +90,14 @@ def quality(record: dict) -> str:
 # The recipe's runs by the updates they made: the budgets bench_budget.py gives in updates, and a run given
 # minutes counted at the budget its updates came within a tenth of
 UPDATES = (6000, 12000, 24000)
-CPUS = {"family 25 model 17": "Zen 4", "family 26 model 2": "Zen 5"}  # AMD EPYC families and models
+# the CPU families and models runs were recorded on: (vendor's line, core generation)
+CPUS = {
+    "family 25 model 17": ("AMD EPYC", "Zen 4"),
+    "family 26 model 2": ("AMD EPYC", "Zen 5"),
+    "family 6 model 85": ("Intel Xeon", "Cascade Lake"),
+    "family 6 model 106": ("Intel Xeon", "Ice Lake"),
+    "family 6 model 143": ("Intel Xeon", "Sapphire Rapids"),
+}
 
 
 def budget_of(run: dict) -> int | None:
@@ -103,9 +105,13 @@ def budget_of(run: dict) -> int | None:
     return next((n for n in UPDATES if abs(run.get("updates", 0) - n) <= n / 10), None)
 
 
-def cpu_name(machine: str) -> str:
-    """A run's CPU, short: the AMD EPYC's core generation where known, else the machine as recorded."""
-    return next((f"AMD EPYC {name}" for key, name in CPUS.items() if key in machine), machine)
+def cpu_name(machine: str, line: bool = True) -> str:
+    """A run's CPU, short: its core generation where known (after the vendor's line, unless not line),
+    else the machine as recorded."""
+    known = next((CPUS[key] for key in CPUS if f"({key}," in machine), None)
+    if known is None:
+        return machine
+    return " ".join(known) if line else known[1]
 
 
 def by_updates(record: dict) -> str:
