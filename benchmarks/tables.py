@@ -53,7 +53,8 @@ def quality(record: dict) -> str:
         command = COMMAND[r["direction"]]
         config = r["config"]
         timed = config.startswith(f"{command}-") and config[len(command) + 1 :].isdigit()
-        given = command == "all" and config.startswith("updates-")  # en -> de's command, given updates
+        # the command given a budget in updates: updates-N for the recipe alone, COMMAND-updates-N otherwise
+        given = config.startswith("updates-" if command == "all" else f"{command}-updates-")
         budget = budget_of(r)
         if (timed or given) and budget is not None and "not comparable" not in r.get("note", ""):
             minutes = minutes_of(config) if timed else r["minutes"]
