@@ -18,6 +18,7 @@ process, because none is made at all.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import os
 import shlex
@@ -63,7 +64,7 @@ def compiling(builds_at_once: bool = True) -> Iterator[None]:
     """Around a graph's compile: kernels by rule, a package's wrapper built without the part every wrapper
     shares, its two builds at once (unless the cores are shared with other compiling processes), and
     nothing on the console that a user cannot act on (errors still raise)."""
-    with _kernels_by_rule(), _builds(builds_at_once), _quiet():
+    with _kernels_by_rule(), _builds(builds_at_once), _quiet(), _isas_by_flags():
         yield
 
 
@@ -120,19 +121,23 @@ def prepare(device: torch.device) -> None:
 
 
 def _prepare() -> None:
-    with contextlib.suppress(Exception):  # only ahead of time: the compile says what does not work
+    with contextlib.suppress(Exception), _isas_by_flags():  # only ahead: the compile says what fails
         _parallel([lambda isa=isa: bool(isa) for isa in _candidate_isas()])
         _parallel([lambda header=h: _precompiled_header(header) for h in ("wrapper", "kernel")])
 
 
 def _parallel(calls: list[Callable[[], Any]]) -> None:
-    """calls, each in a thread of its own, until all have returned (an error is left for the compile)."""
+    """calls, each in a thread of its own with the caller's settings of inductor (context variables, which
+    a new thread would not have), until all have returned (an error is left for the compile)."""
 
     def quietly(call: Callable[[], Any]) -> None:
         with contextlib.suppress(Exception):
             call()
 
-    threads = [threading.Thread(target=quietly, args=(call,), daemon=True) for call in calls]
+    threads = [
+        threading.Thread(target=contextvars.copy_context().run, args=(quietly, call), daemon=True)
+        for call in calls
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -149,6 +154,42 @@ def _candidate_isas() -> list[Any]:
         for isa in cpu_vec_isa.supported_vec_isa_list
         if str(isa) and all(f in flags for f in str(isa).split())
     ]
+
+
+_isas_hold: bool | None = None  # _isas_by_flags's answer, once a process
+_isas_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _isas_by_flags() -> Iterator[None]:
+    """Inductor takes an instruction set the CPU's flags name once a probe has built a file of ATen's vector
+    headers with the set's compiler flags and loaded it in a child process: seconds a set, three sets on
+    a CPU with AVX-512, before a process's first graph can build anything (8 s each on a 2-core
+    machine's first compile, where they run at once; a few loads once cached). What a probe can find
+    wrong there is a compiler that does not take the flags: the sets are those PyTorch's own CPU check
+    names (x86_isa_checker), which asks the processor and whether the system enabled them. So the
+    compiler is asked that alone, of an empty file with every candidate set's flags (milliseconds), once
+    a process, and where it takes them inductor is told here that its probes hold (config.cpp.vec_isa_ok,
+    a setting of the thread, as all of inductor's); where not, or where the setting is set already,
+    inductor probes as before."""
+    global _isas_hold
+    from torch._inductor import config
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    with _isas_lock:
+        if _isas_hold is None:
+            _isas_hold = False
+            with contextlib.suppress(Exception):  # no answer: inductor's own probes decide
+                isas = _candidate_isas()
+                flags = [flag for isa in isas for flag in shlex.split(isa.build_arch_flags())]
+                command = [get_cpp_compiler(), *flags, "-x", "c++", "-fsyntax-only", "-"]
+                built = subprocess.run(command, input=b"", capture_output=True, timeout=60)
+                _isas_hold = bool(isas) and built.returncode == 0
+    if _isas_hold and config.cpp.vec_isa_ok is None:
+        with config.patch({"cpp.vec_isa_ok": True}):
+            yield
+    else:
+        yield
 
 
 def _precompiled_header(which: str) -> str:

@@ -198,6 +198,13 @@ weights, store, ready, me, src, config = sys.argv[1:]
 model = Transformer(from_dict(ModelConfig, json.loads(config))).eval()
 model.load_state_dict(torch.load(weights))
 torch._inductor.config.autotune_local_cache = False
+from torch._inductor import cpu_vec_isa
+probes, probe = [], cpu_vec_isa.VecISA.check_build
+def check_build(isa, code):  # inductor's probe of an instruction set: a build of ATen's vector headers
+    if code == cpu_vec_isa.VecISA._avx_code:
+        probes.append(str(isa))
+    return probe(isa, code)
+cpu_vec_isa.VecISA.check_build = check_build
 decoder = CompiledDecoder(model, store=store)
 Path(ready, me).touch()
 deadline = time.monotonic() + 120
@@ -207,7 +214,9 @@ while len(list(Path(ready).iterdir())) < 2:
     time.sleep(0.01)
 hyps = search(decoder, torch.tensor(json.loads(src)), SearchConfig(beam_size=1, max_len_b=20))
 print(json.dumps({"tokens": [[h.tokens for h in hs] for hs in hyps], "scores": [[h.score for h in hs] for hs in hyps],
-                  "compiled": decoder.compile_seconds > 0, "timed": counters["inductor"]["select_algorithm_autotune"]}))
+                  "compiled": decoder.compile_seconds > 0, "timed": counters["inductor"]["select_algorithm_autotune"],
+                  "probes": probes, "isa": str(cpu_vec_isa.pick_vec_isa()),
+                  "capability": torch.backends.cpu.get_cpu_capability()}))
 """
 
 
@@ -216,7 +225,8 @@ def test_two_processes_compiling_one_graph_into_a_store_at_once(model, store, tm
     renames its own whole file over the other's (temporary names never collide), both give eager's
     hypotheses, and the store is left holding only whole packages, which a later decoder loads. Neither
     times a kernel (the graph's products choose theirs by rule), nor prints inductor's tables or
-    warnings."""
+    warnings, nor builds inductor's probes of the CPU's instruction sets (compiler._isas_by_flags asks
+    the compiler instead), and the set each compiles for is the one PyTorch's own kernels run with."""
     shared = shutil.copytree(store, tmp_path / "store")
     # the graph both compile: the encoder's, the smallest with matrix products (whose kernels are chosen)
     (shared / next(store.glob("memory-any-*.pt2")).name).unlink()
@@ -241,6 +251,9 @@ def test_two_processes_compiling_one_graph_into_a_store_at_once(model, store, tm
         result = json.loads(out)
         assert result["compiled"]  # both missed the graph: neither found the other's file
         assert result["timed"] == 0 and "AUTOTUNE" not in err and "Warning" not in err, err
+        if compiler._candidate_isas():
+            assert result["probes"] == []
+        assert result["isa"].split()[0] == result["capability"].lower()  # "avx512 avx512_vnni": AVX512
         assert_same((result["tokens"], result["scores"]), want)
     assert sorted(p.name for p in shared.iterdir()) == sorted(p.name for p in store.iterdir())
     for package in shared.iterdir():

@@ -66,3 +66,26 @@ def test_the_few_and_the_many_share_a_graph_where_every_choice_by_rows_is_the_sa
     assert shared_class(kind, "few", per_sentence) == few
     assert shared_class(kind, "many", per_sentence) == ("any" if few == "any" else "many")
     assert shared_class(kind, "one", per_sentence) == "one"
+
+
+def test_the_compiler_is_asked_for_the_instruction_sets_instead_of_inductors_probes(tmp_path, monkeypatch):
+    """Inductor's probe of an instruction set (a build of ATen's vector headers with the set's flags, and a
+    load) costs a first compile seconds a set. What it can find wrong beside PyTorch's own check of the
+    CPU is a compiler that does not take the flags, so the compiler is asked that alone: where it takes
+    them, inductor is told around a compile that its probes hold; where it does not (an old g++ that knows
+    no such flags), they run as before. (A compile's probes: test_compiled_store's two processes.)"""
+    from torch._inductor import config
+
+    monkeypatch.setattr(compiler, "_isas_hold", None)
+    with compiler._isas_by_flags():
+        assert config.cpp.vec_isa_ok is (True if compiler._candidate_isas() else None)
+    assert config.cpp.vec_isa_ok is None  # only around a compile
+    old = tmp_path / "g++"
+    old.write_text(
+        '#!/bin/sh\nfor a; do case "$a" in -m*) echo "g++: error: unrecognized command-line option $a" >&2; '
+        'exit 1;; esac; done\nexec g++ "$@"\n'
+    )
+    old.chmod(0o755)
+    monkeypatch.setattr(compiler, "_isas_hold", None)
+    with config.patch({"cpp.cxx": (str(old),)}), compiler._isas_by_flags():
+        assert config.cpp.vec_isa_ok is None
