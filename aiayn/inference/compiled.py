@@ -312,9 +312,9 @@ class CompiledDecoder(Decoder):
         # the step, once per batch the memory (S is dynamic), and a search's own tensor work after each
         # step (beam or greedy); each compiled by torch.compile on its first call, or exported to the store
         self.graphs = {"step": step, "memory": memory, "beam": _beam_work, "greedy": _greedy_work}
-        self.compiled = {
-            name: torch.compile(fn, fullgraph=True, options=self.options) for name, fn in self.graphs.items()
-        }
+        # torch.compile's wrapper of each graph, made at its first call in memory: making one imports
+        # dynamo, over a second of a server's start on a small CPU, which a store's packages never need
+        self.compiled: dict[str, Callable[..., Any]] = {}
         self.compile_seconds = 0.0  # the first call of each graph, compile included
         self.load_seconds = 0.0  # reading graphs compiled by an earlier process from the store
         self._seen: set[tuple] = set()  # the keys of the graphs compiled in memory
@@ -468,12 +468,11 @@ class CompiledDecoder(Decoder):
         package = self._packages.get(key)
         if package is not None:
             return package(*args)
-        fn = self.compiled[key[0]]
         if key in self._seen:
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return fn(*args)
-            except RuntimeError as error:  # inputs no graph of fn was traced for: trace them (dynamo
+                    return self.compiled[key[0]](*args)
+            except RuntimeError as error:  # inputs no trace of the graph fits: trace them (dynamo
                 if "skip_guard_eval_unsafe" not in str(error):  # raises before running anything)
                     raise
         if not self.compiles(key):
@@ -483,13 +482,17 @@ class CompiledDecoder(Decoder):
             self._packages[key] = package = self._package(key, args)
             out = package(*args)
         else:
+            if key[0] not in self.compiled:
+                self.compiled[key[0]] = torch.compile(
+                    self.graphs[key[0]], fullgraph=True, options=self.options
+                )
             with (
                 torch._inductor.config.patch(freezing=True),
                 dynamo_limits(),
                 self._tracing(),
                 compiling(key, self.builds_at_once),
             ):
-                out = fn(*args)
+                out = self.compiled[key[0]](*args)
             self.compile_seconds += time.perf_counter() - start
             self._seen.add(key)
         if self.on_compiled is not None:
