@@ -532,11 +532,17 @@ class CompiledDecoder(Decoder):
         """Where the store keeps graph key's package: its name holds the key and the fingerprint. A search's
         own work reads no weights: its packages serve every model (the fingerprint without the model's)."""
         assert self.store is not None
+        if self._search_fingerprint is None:
+            self._search_fingerprint = fingerprint(self.model, self.options, weights=False)
+        name = self._search_fingerprint if key[0] in SEARCH_WORK else self.model_fingerprint()
+        return self.store / f"{'-'.join(map(str, key))}-{name}.pt2"
+
+    def model_fingerprint(self) -> str:
+        """fingerprint() of this decoder's model and options, which its packages' names hold: hashed once
+        (the weights of `base` take a small CPU half a second)."""
         if self._fingerprint is None:
             self._fingerprint = fingerprint(self.model, self.options)
-            self._search_fingerprint = fingerprint(self.model, self.options, weights=False)
-        name = self._search_fingerprint if key[0] in SEARCH_WORK else self._fingerprint
-        return self.store / f"{'-'.join(map(str, key))}-{name}.pt2"
+        return self._fingerprint
 
     def _package(self, key: tuple, args: tuple) -> _Package:
         """The AOTInductor package of graph key from the store, exported and compiled into it first if it

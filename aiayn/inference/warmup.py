@@ -31,7 +31,7 @@ from typing import Any
 
 from aiayn.config import InferenceOptions, SearchConfig
 from aiayn.inference import compiler
-from aiayn.inference.compiled import MANY, CompiledDecoder, fingerprint
+from aiayn.inference.compiled import MANY, CompiledDecoder
 from aiayn.tokenizer import EOS_ID
 
 # The sentences of the batch each row class is compiled with: the fewest of its class (the eager passes are
@@ -219,7 +219,7 @@ class Warmup:
     def start(self) -> None:
         """Start the workers; returns at once."""
         assert self.decoder.store is not None, "workers hand graphs over through a store"
-        expected = fingerprint(self.decoder.model, self.decoder.options)
+        expected = self.decoder.model_fingerprint()
         for index in range(1 if self.here else 0, self.workers):
             read, write = os.pipe()
             command = [sys.executable, "-m", "aiayn.inference.warmup_worker", str(self.directory), "--options",

@@ -12,7 +12,6 @@ import sys
 import torch
 
 from aiayn.config import InferenceOptions, SearchConfig
-from aiayn.inference.compiled import fingerprint
 from aiayn.inference.translate import Translator
 from aiayn.inference.warmup import NICE, compile_share, plan_from_json
 
@@ -28,7 +27,7 @@ def work(args: argparse.Namespace) -> None:
     translator = Translator.load(args.model, searches[0], options)
     decoder = translator.compiled
     assert decoder is not None and decoder.store is not None
-    if fingerprint(decoder.model, decoder.options) != args.fingerprint:
+    if decoder.model_fingerprint() != args.fingerprint:
         sys.exit("the worker's model is not the server's (another fingerprint): nothing compiled")
     compile_share(
         translator,

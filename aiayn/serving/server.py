@@ -95,11 +95,13 @@ def check_store(translator: Translator) -> None:
     now, rather than workers that fail after the port is open (a read-only home directory, say). A
     store that already holds the model's graphs may be read-only."""
     compiled = translator.compiled
-    if compiled is None or compiled.store is None or stored(translator.model, compiled.store):
+    if compiled is None or compiled.store is None:
         return
     try:
         check_writable_dir(compiled.store, "store of compiled graphs")
     except ValueError as error:
+        if stored(translator.model, compiled.store):  # (after: it hashes the weights)
+            return
         raise ValueError(
             f"{error}: the server compiles its graphs into it at start; set AIAYN_COMPILE_STORE to a writable "
             "directory (or to none: in memory), or serve with --no-compile"
