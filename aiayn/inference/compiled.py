@@ -539,7 +539,7 @@ class CompiledDecoder(Decoder):
 
     def model_fingerprint(self) -> str:
         """fingerprint() of this decoder's model and options, which its packages' names hold: hashed once
-        (the weights of `base` take a small CPU half a second)."""
+        (a large model's weights take a small CPU a good part of a second)."""
         if self._fingerprint is None:
             self._fingerprint = fingerprint(self.model, self.options)
         return self._fingerprint
