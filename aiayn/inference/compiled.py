@@ -313,7 +313,7 @@ class CompiledDecoder(Decoder):
         # step (beam or greedy); each compiled by torch.compile on its first call, or exported to the store
         self.graphs = {"step": step, "memory": memory, "beam": _beam_work, "greedy": _greedy_work}
         # torch.compile's wrapper of each graph, made at its first call in memory: making one imports
-        # dynamo, over a second of a server's start on a small CPU, which a store's packages never need
+        # dynamo, a part of a server's start before its first answer that a store's packages never need
         self.compiled: dict[str, Callable[..., Any]] = {}
         self.compile_seconds = 0.0  # the first call of each graph, compile included
         self.load_seconds = 0.0  # reading graphs compiled by an earlier process from the store

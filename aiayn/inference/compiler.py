@@ -164,8 +164,8 @@ _isas_lock = threading.Lock()
 def _isas_by_flags() -> Iterator[None]:
     """Inductor takes an instruction set the CPU's flags name once a probe has built a file of ATen's vector
     headers with the set's compiler flags and loaded it in a child process: seconds a set, three sets on
-    a CPU with AVX-512, before a process's first graph can build anything (several seconds each on a
-    2-core machine's first compile, where they run at once; a few loads once cached). What a probe can find
+    a CPU with AVX-512, before a process's first graph can build anything (at once on a small machine's
+    first compile, a few loads once cached; benchmarks/bench_serve.py --cold-start). What a probe can find
     wrong there is a compiler that does not take the flags: the sets are those PyTorch's own CPU check
     names (x86_isa_checker), which asks the processor and whether the system enabled them. So the
     compiler is asked that alone, of an empty file with every candidate set's flags (milliseconds), once
