@@ -31,6 +31,8 @@ Configurations (both directions):
 - smoothing2-updates-6000, -12000, -24000: the same with label smoothing 0.2 instead of 0.1.
 - bpedrop-src-updates-6000, -12000, -24000: de->en's README command (source-side BPE-dropout 0.1) given
   a number of updates, in both directions: whether the recipe should take it below 20,000 updates.
+- warmup5-updates-6000, -12000, -24000: the same with the budget schedule warming up over 5% of the
+  updates instead of 10% (`--set warmup_fraction=0.05`), one seed.
 - batch2048-updates-6000, -12000, -24000: the same with 2,048-token batches instead of the recipe's
   1,024 (`--max-tokens 2048`), one seed: twice the compute of an update, so its 6,000 updates cost what
   the recipe's 12,000 do: whether a budget buys more with fewer, larger updates.
@@ -93,6 +95,9 @@ CONFIGS = {  # name: (flags, minutes, or updates for updates-N, seeds)
     **{f"smoothing2-updates-{n}": (RECIPE + ["--set", "label_smoothing=0.2"], n, (1,)) for n in UPDATES},
     # a smaller vocabulary: each subword's embedding sees more updates (Gowda and May, 2020)
     **{f"vocab4000-updates-{n}": (RECIPE + ["--vocab-size", "4000"], n, (1,)) for n in UPDATES},
+    # half the budget schedule's warmup (5% of the updates instead of 10%): more of a short budget at a
+    # high learning rate
+    **{f"warmup5-updates-{n}": (RECIPE + ["--set", "warmup_fraction=0.05"], n, (1,)) for n in UPDATES},
     # twice the target tokens an update (twice its compute): fewer, larger updates for the same budget
     **{f"batch2048-updates-{n}": (RECIPE + ["--max-tokens", "2048"], n, (1,)) for n in UPDATES},
     # de->en's README command at a budget in updates, in both directions: the source side's BPE-dropout
