@@ -33,6 +33,8 @@ Configurations (both directions):
   a number of updates, in both directions: whether the recipe should take it below 20,000 updates.
 - warmup5-updates-6000, -12000, -24000: the same with the budget schedule warming up over 5% of the
   updates instead of 10% (`--set warmup_fraction=0.05`), one seed.
+- lr07-updates-6000, -12000, -24000: the same with a peak learning rate 1.4 times the recipe's
+  (`--set lr_scale=0.7` instead of 0.5), one seed.
 - batch2048-updates-6000, -12000, -24000: the same with 2,048-token batches instead of the recipe's
   1,024 (`--max-tokens 2048`), one seed: twice the compute of an update, so its 6,000 updates cost what
   the recipe's 12,000 do: whether a budget buys more with fewer, larger updates.
@@ -98,6 +100,8 @@ CONFIGS = {  # name: (flags, minutes, or updates for updates-N, seeds)
     # half the budget schedule's warmup (5% of the updates instead of 10%): more of a short budget at a
     # high learning rate
     **{f"warmup5-updates-{n}": (RECIPE + ["--set", "warmup_fraction=0.05"], n, (1,)) for n in UPDATES},
+    # a higher peak learning rate (lr_scale 0.7 instead of the recipe's 0.5): more learning per update
+    **{f"lr07-updates-{n}": (RECIPE + ["--set", "lr_scale=0.7"], n, (1,)) for n in UPDATES},
     # twice the target tokens an update (twice its compute): fewer, larger updates for the same budget
     **{f"batch2048-updates-{n}": (RECIPE + ["--max-tokens", "2048"], n, (1,)) for n in UPDATES},
     # de->en's README command at a budget in updates, in both directions: the source side's BPE-dropout
