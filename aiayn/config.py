@@ -346,8 +346,8 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
         # Chosen on Multi30k's training and validation splits only (docs/results.md); for corpora
         # of about 10k-200k pairs trained under a time budget on a CPU.
         "low-resource": Recipe(
-            # decoded with beam 4 and the average length penalty, score / |Y| (fairseq's default): on
-            # both directions' 30-minute models it beat §6.1's alpha 0.6 GNMT penalty by 0.4 and 0.1 BLEU
+            # decoded with beam 4 and the average length penalty, score / |Y| (fairseq's default), which
+            # beat §6.1's alpha 0.6 GNMT penalty in both directions (docs/results.md, the search table)
             train=MappingProxyType(
                 dict(max_tokens=1024, warmup_steps=400, lr_scale=0.5, alpha=1.0, length_penalty="average")
             ),
