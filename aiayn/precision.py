@@ -1,7 +1,10 @@
-"""Where and in what number format the model runs: device, dtype, autocast, int8 and the inference layout.
+"""Where and in what number format the model runs: device, dtype, autocast, int8 and the inference layout,
+and the CPU classes whose measured defaults decide them.
 
-One policy for training and translation alike. `Dtype` "auto" (the one default, everywhere) is bf16
-where it is fast, CUDA or a CPU with AMX tiles, and fp32 elsewhere.
+One owner for training and translation alike. `Dtype` "auto" (the one default, everywhere) is, on
+CUDA, bf16; on a CPU, what CPU_DEFAULTS measured for the CPU's class (cpu_class): translation fp32 on
+every class (exact and batch-invariant), training bf16 only where AMX multiplies it faster for the
+model's width (training_dtype), fp32 elsewhere.
 """
 
 from __future__ import annotations
@@ -9,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import dataclasses
 import functools
+import os
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +25,7 @@ from torch.nn import functional as F
 
 Dtype = Literal["auto", "fp32", "bf16", "fp16", "int8"]
 TrainDtype = Literal["auto", "fp32", "bf16", "fp16"]  # int8 is for translation only
+Resolved = Literal["fp32", "bf16", "fp16", "int8"]  # what "auto" becomes
 DEFAULT_DTYPE = "auto"
 
 
@@ -53,31 +59,62 @@ def configure(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def resolve_dtype(dtype: Dtype, device: torch.device) -> Literal["bf16", "fp32", "fp16", "int8"]:
-    """ "auto" -> bf16 where it is fast: CUDA, or a CPU with AMX tiles; fp32 elsewhere.
-
-    Without AMX (e.g. a VM that hides it), CPU bf16 matmuls run on AVX-512 and were measured
-    slower than fp32 here (about 80 vs 140 GFLOP/s). fp16 (with a gradient scaler in training) is a
-    CUDA option for GPUs without bf16.
-    """
-    if dtype == "fp16" and device.type != "cuda":
-        raise ValueError("dtype fp16 is for CUDA; on the CPU use bf16 or fp32")
+def translation_dtype(dtype: Dtype, device: torch.device) -> Resolved:
+    """The number format a model translates in: "auto" -> bf16 on CUDA (where the GPU has it), fp32 on
+    every CPU class (CPU_DEFAULTS: exact, and a sentence's translation does not depend on its batch)."""
+    check_dtype(dtype, device)
     if dtype != "auto":
         return dtype
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    # AMX tiles, and kernels allowed to use them: ATEN_CPU_CAPABILITY below AVX-512 (a cap at AVX2, as a
-    # benchmark of an AVX2 laptop sets) leaves bf16 emulated whatever the CPU has
-    amx = torch._C._cpu._init_amx() and torch.backends.cpu.get_cpu_capability() == "AVX512"
-    return "bf16" if amx else "fp32"
+    return "fp32"
+
+
+def training_dtype(dtype: TrainDtype, device: torch.device, d_model: int) -> Resolved:
+    """The number format a model of this width trains in: "auto" -> bf16 on CUDA (where the GPU has it);
+    on a CPU, bf16 where this CPU class's measurements say bf16 autocast trains a model this wide faster
+    (CPU_DEFAULTS: AMX, from d_model 256), fp32 elsewhere."""
+    check_dtype(dtype, device)
+    if dtype != "auto":
+        return dtype
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    bf16_from = CPU_DEFAULTS[cpu_class()].train_bf16_from
+    return "bf16" if bf16_from is not None and d_model >= bf16_from else "fp32"
+
+
+def check_dtype(dtype: Dtype, device: torch.device) -> None:
+    """A ValueError for a number format the device does not run."""
+    if dtype == "fp16" and device.type != "cuda":
+        raise ValueError("dtype fp16 is for CUDA; on the CPU use bf16 or fp32")
+    if dtype == "int8" and device.type != "cpu":
+        raise ValueError("dtype int8 is for CPU translation; use bf16 on a GPU")
 
 
 def autocast(device: torch.device, dtype: Dtype) -> contextlib.AbstractContextManager:
-    """bf16 or fp16 autocast, or nothing for fp32 (and int8, whose quantised layers choose for themselves)."""
-    resolved = resolve_dtype(dtype, device)
+    """bf16 or fp16 autocast, or nothing for fp32 (and int8, whose quantised layers choose for themselves).
+    "auto" is translation's (translation_dtype); training resolves its own first (training_dtype)."""
+    resolved = translation_dtype(dtype, device)
     if resolved not in ("bf16", "fp16"):
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if resolved == "bf16" else torch.float16)
+    cast = torch.autocast(device.type, dtype=torch.bfloat16 if resolved == "bf16" else torch.float16)
+    if device.type == "cpu" and resolved == "bf16" and _attention_packs_without_its_kernels():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(cast)
+        stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        return stack
+    return cast
+
+
+def _attention_packs_without_its_kernels() -> bool:
+    """Whether PyTorch's CPU flash attention would fail in bf16 here: on a CPU with AMX whose ATen kernels
+    are capped below AVX-512 (ATEN_CPU_CAPABILITY=avx2) while oneDNN is not, it asks oneDNN whether to pack
+    its bf16 blocks for AMX, then packs them with AVX-512 code it was built without ("pack_vnni2 is only
+    supported when avx512 is supported", from about 64 keys on). The reference attention (SDPBackend.MATH)
+    runs there instead: the same mathematics, another kernel."""
+    return torch.backends.cpu.get_cpu_capability() != "AVX512" and bool(torch._C._cpu._init_amx())
 
 
 @functools.cache
@@ -102,12 +139,90 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(cpu_info().get("flags", "").split())
 
 
-def has_vnni() -> bool:
-    """Whether torch._int_mm runs on oneDNN's int8 kernels here (AVX512-VNNI, which PyTorch does not
-    report); elsewhere it is a scalar loop. Off Linux (no flags): the path that is vectorised everywhere."""
-    # (and kernels allowed to use it: a process capped below AVX-512, as a benchmark of an AVX2 laptop
-    # is, runs oneDNN's int8 without VNNI)
-    return "avx512_vnni" in cpu_flags() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+# --- CPU classes: what each kind of processor runs, decided by measurement ------------------------------
+
+# The classes, each with everything the one before has: AVX2 at most (and every CPU without AVX-512
+# kernels: other architectures, or a process capped below AVX-512); AVX-512; with VNNI (integer dot
+# products); with bf16 dot products (AVX512_BF16); with AMX tiles.
+CpuClass = Literal["avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"]
+CPU_CLASSES: tuple[CpuClass, ...] = get_args(CpuClass)
+# Names a class for this process whatever the CPU probes say: its defaults and routes, on this CPU's
+# kernels (a test of another class's path, or another machine's choices reproduced on this one).
+CPU_CLASS_VARIABLE = "AIAYN_CPU_CLASS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Probes:
+    """What a CPU class is read from."""
+
+    capability: str  # torch.backends.cpu.get_cpu_capability(): ATen's kernels (ATEN_CPU_CAPABILITY caps them)
+    flags: frozenset[str]  # the kernel's /proc/cpuinfo flags
+    amx: bool  # torch._C._cpu._init_amx(): AMX tiles, and the OS lets this process use them
+
+
+def probe() -> Probes:
+    """This process's probes of its CPU."""
+    return Probes(torch.backends.cpu.get_cpu_capability(), cpu_flags(), bool(torch._C._cpu._init_amx()))
+
+
+def classify(probes: Probes) -> CpuClass:
+    """The class of a CPU as its probes describe it. ATen's kernels decide first: a process whose kernels
+    are capped below AVX-512 runs AVX2 code, whatever the CPU has (oneDNN's bf16 included)."""
+    if probes.capability != "AVX512":
+        return "avx2"
+    if "avx512_vnni" not in probes.flags:
+        return "avx512"
+    if probes.amx:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in probes.flags else "avx512_vnni"
+
+
+def cpu_class() -> CpuClass:
+    """This process's CPU class: AIAYN_CPU_CLASS where it is set, else what the probes say."""
+    named = os.environ.get(CPU_CLASS_VARIABLE)
+    if named:
+        if named not in CPU_CLASSES:
+            raise ValueError(
+                f"{CPU_CLASS_VARIABLE}={named!r}: not a CPU class; use one of {', '.join(CPU_CLASSES)}"
+            )
+        return named  # type: ignore[return-value]
+    return classify(probe())
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuDefaults:
+    """What one CPU class runs where the user does not say."""
+
+    # the row of INT8_ROUTES (and of compiler.TEMPLATE_ROWS) its kernels take: "vnni" where integer dot
+    # products are vectorised, "avx2" (no VNNI) elsewhere
+    kernels: Literal["vnni", "avx2"]
+    # training's dtype auto: bf16 autocast for a model at least this wide (d_model), fp32 below; None:
+    # fp32 at every width
+    train_bf16_from: int | None = None
+
+
+# Measured, not guessed: training by benchmarks/bench_train.py, fp32 against bf16 autocast per preset
+# in one run (docs/bench_train_cpu.json; tests/test_cpu_classes.py holds the AMX row to it). With AMX,
+# bf16 trains `small` (d_model 256) and `base` (512) faster than fp32, and `low-resource` (128) slower:
+# autocast's casts of every weight and activation cost more than the tiles save on small products.
+# Without AMX, bf16 products run on AVX-512 (with or without AVX512_BF16) or are emulated, slower than
+# fp32's (docs/performance.md). Translation is fp32 on every class (translation_dtype): bf16 changes
+# tokens against fp32, and in a batch a sentence's tokens depend on what shares it; `--dtype bf16` takes
+# it where it is faster (docs/translation.md says what it changes).
+CPU_DEFAULTS: Mapping[CpuClass, CpuDefaults] = MappingProxyType(
+    {
+        "avx2": CpuDefaults("avx2"),
+        "avx512": CpuDefaults("avx2"),  # integer products without VNNI: as slow as on AVX2
+        "avx512_vnni": CpuDefaults("vnni"),
+        "avx512_bf16": CpuDefaults("vnni"),
+        "amx": CpuDefaults("vnni", train_bf16_from=256),
+    }
+)
+
+
+def kernels() -> Literal["vnni", "avx2"]:
+    """The row of INT8_ROUTES (and compiler.TEMPLATE_ROWS) this process takes: its CPU class's."""
+    return CPU_DEFAULTS[cpu_class()].kernels
 
 
 Route = Literal["w8a8", "woq", "fp32"]
@@ -134,11 +249,6 @@ INT8_ROUTES: Mapping[str, Mapping[RowClass, Route]] = MappingProxyType(
         "avx2": MappingProxyType({"one": "woq", "few": "woq", "many": "fp32"}),  # every CPU without VNNI
     }
 )
-
-
-def cpu_class() -> str:
-    """The row of INT8_ROUTES this process takes: "vnni" or "avx2" (every CPU without VNNI)."""
-    return "vnni" if has_vnni() else "avx2"
 
 
 class Int8Linear(nn.Module):
@@ -261,10 +371,8 @@ def for_inference(model: nn.Module, dtype: Dtype) -> nn.Module:
     such non-contiguous tensors, which is why this model is not the one to save.
     """
     device = next(model.parameters()).device
-    if resolve_dtype(dtype, device) == "int8":
-        if device.type != "cpu":
-            raise ValueError("dtype int8 is for CPU translation; use bf16 on a GPU")
-        return _int8_copy(model.eval(), INT8_ROUTES[cpu_class()])
+    if translation_dtype(dtype, device) == "int8":
+        return _int8_copy(model.eval(), INT8_ROUTES[kernels()])
     if device.type == "cpu":
         with torch.no_grad():
             for module in model.modules():

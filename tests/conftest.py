@@ -17,9 +17,9 @@ import torch
 from aiayn.cli.main import main
 from aiayn.config import SearchConfig, preset
 from aiayn.data.prepare import MANIFEST, open_prepared, prepare_corpus
-from aiayn.inference.search import search
+from aiayn.inference.search import FIRST_OUTPUT, search
 from aiayn.model import Transformer
-from aiayn.tokenizer import EOS_ID, PAD_ID
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from aiayn.training.run import Run
 from aiayn.training.train import Result, train
 
@@ -184,6 +184,31 @@ def eos_heavy_model(layers: int = 1) -> Transformer:
         model.generator.weight[EOS_ID] *= 1.5
         model.generator.bias.normal_(0.0, 0.5)
     return model
+
+
+def word_tokenizer(src_size: int, tgt_size: int) -> Tokenizer:
+    """A word tokenizer with exactly these vocabulary sizes (one, joint, when they are equal)."""
+    words = [f"w{i}" for i in range(max(src_size, tgt_size))]
+    joint = src_size == tgt_size
+    src = [" ".join(words[: src_size - 4])]
+    tgt = [" ".join(words[: tgt_size - 4])]
+    tokenizer = Tokenizer.train(src, tgt if not joint else src, vocab_size=max(src_size, tgt_size), kind="word",
+                                min_frequency=1, joint=joint)  # fmt: skip
+    assert (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) == (src_size, tgt_size)
+    return tokenizer
+
+
+def naive_greedy(model: Transformer, ids: list[int], max_len: int) -> list[int]:
+    """Re-run the whole decoder on the whole prefix at every step (no cache, no batch), argmax each time."""
+    src = torch.tensor([ids])  # (1, S)
+    out = [BOS_ID]
+    with torch.no_grad():
+        while len(out) - 1 < max_len:
+            token = FIRST_OUTPUT + int(model(src, torch.tensor([out]))[0, -1, FIRST_OUTPUT:].argmax())
+            if token == EOS_ID:
+                break
+            out.append(token)
+    return out[1:]
 
 
 def sources(batch: int, width: int, seed: int) -> torch.Tensor:

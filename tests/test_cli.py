@@ -132,8 +132,8 @@ def test_the_recipe_takes_bpe_dropout_for_a_budget_of_enough_updates_measured_he
             assert measured == [] and budget is None
             continue
         bought = int(rate * minutes)
-        assert budget == {"minutes": minutes, "updates_per_minute": rate, "updates": bought}, name
-        assert f"buys about {bought:,} updates" in stderr, name
+        assert budget == {"minutes": minutes, "updates_per_minute": rate, "updates": bought, "dtype": "fp32"}
+        assert f"buys about {bought:,} updates" in stderr and "a minute in fp32" in stderr, name
         assert ("recipe's for 250 pairs" in stderr) == (name == "fast"), name  # says why, when it chose
         assert ("no BPE-dropout: the recipe takes it from" in stderr) == (name == "slow"), name
     code, _, stderr = run([*args[:-6], "--max-updates", 1, "--out", tmp_path / "none", *args[-4:]])
@@ -564,6 +564,7 @@ def test_init_fine_tunes_a_model_with_its_vocabulary_architecture_and_search(
     assert json.loads((out / "run.json").read_text())["init"] == str(init.resolve())
     for extra, needles in (
         (["--set", "d_model=32"], ["keeps its model's architecture", "d_model"]),
+        (["--preset", "base"], ["keeps its model's architecture", "d_model", "--preset base"]),
         (["--vocab-size", 100], ["brings its own vocabulary", "--vocab-size"]),
         (["--init", tmp_path / "nothing"], [str(tmp_path / "nothing")]),
     ):

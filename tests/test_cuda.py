@@ -33,7 +33,7 @@ from aiayn.data.synthetic import generate
 from aiayn.inference.compiled import CompiledDecoder
 from aiayn.inference.translate import Translator
 from aiayn.model import Transformer, attention_maps
-from aiayn.precision import resolve_dtype
+from aiayn.precision import translation_dtype
 from aiayn.tokenizer import BOS_ID, Tokenizer
 from aiayn.training import train as train_module
 from aiayn.training.distributed import Ranks
@@ -461,7 +461,7 @@ def test_serve_on_the_device_answers_what_translate_writes(model_dir, translated
                 time.sleep(0.2)
         info = http(port, "/info")
         assert torch.device(info["device"]).type == DEVICE.type
-        assert info["dtype"] == resolve_dtype("auto", DEVICE) and (info["dtype"] == "bf16" or not ON_CUDA)
+        assert info["dtype"] == translation_dtype("auto", DEVICE) and (info["dtype"] == "bf16" or not ON_CUDA)
         assert http(port, "/translate", {"text": SOURCES}) == {"translations": translated}
         maps = http(port, "/attention", {"text": SOURCES[0]})
         for kind in ("encoder", "decoder", "cross"):

@@ -1,16 +1,13 @@
 """int8 inference layers (precision.Int8Linear) against the quantisation formulas written here."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from aiayn.precision import INT8_ROUTES, Int8Linear, cpu_class, for_inference
+from aiayn.precision import INT8_ROUTES, Int8Linear, for_inference, kernels
 
 
 def quantise_rows(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,34 +123,8 @@ def test_for_inference_int8_replaces_every_linear_of_a_copy():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
     int8 = for_inference(model, "int8")
     assert [type(m) for m in int8.modules() if isinstance(m, (nn.Linear, Int8Linear))] == [Int8Linear] * 2
-    assert all(m.routes == INT8_ROUTES[cpu_class()] for m in int8.modules() if isinstance(m, Int8Linear))
+    assert all(m.routes == INT8_ROUTES[kernels()] for m in int8.modules() if isinstance(m, Int8Linear))
     assert [type(m) for m in model.modules()].count(nn.Linear) == 2  # the float model is as it was
-
-
-def test_a_cpu_capped_at_avx2_takes_fp32_and_the_int8_routes_without_vnni():
-    """dtype auto takes bf16 only where AMX multiplies it: a process whose kernels are capped at AVX2
-    (what an AVX2 laptop has; ATEN_CPU_CAPABILITY, as the benchmarks' --isa avx2 sets) emulates bf16,
-    whatever tiles the CPU has, and trains and translates in fp32."""
-    code = (
-        "import torch; from aiayn.precision import has_vnni, resolve_dtype; "
-        "print(resolve_dtype('auto', torch.device('cpu')), torch._C._cpu._init_amx(), has_vnni()); "
-        "from aiayn.precision import for_inference, INT8_ROUTES; "
-        "m = for_inference(torch.nn.Sequential(torch.nn.Linear(4, 4)), 'int8'); "
-        "print(m[0].routes == INT8_ROUTES['avx2'], m[0].routes == INT8_ROUTES['vnni'])"
-    )
-    for capability, amx_allowed in (("avx2", False), (None, True)):
-        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-        if capability:
-            env["ATEN_CPU_CAPABILITY"] = capability
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        dtype, amx, vnni, avx2_routes, vnni_routes = out.stdout.split()
-        assert dtype == ("bf16" if amx == "True" and amx_allowed else "fp32"), (capability, out.stdout)
-        # int8 takes the routes of its CPU class: capped, those of an AVX2 laptop without VNNI
-        assert (avx2_routes, vnni_routes) == (("False", "True") if vnni == "True" else ("True", "False"))
-        if capability:
-            assert vnni == "False"
 
 
 def test_the_int8_routes_without_vnni_are_the_fastest_kernels_measured_under_avx2():

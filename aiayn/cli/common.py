@@ -10,7 +10,7 @@ from dataclasses import asdict, fields
 
 from aiayn.config import InferenceOptions, SearchConfig, from_dict
 from aiayn.inference.evaluate import TOKENIZERS
-from aiayn.precision import DEFAULT_DTYPE, Dtype, resolve_device, resolve_dtype
+from aiayn.precision import DEFAULT_DTYPE, Dtype, resolve_device, translation_dtype
 
 if typing.TYPE_CHECKING:
     from aiayn.checkpoint import ModelDir
@@ -117,7 +117,9 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
     # translate, evaluate and plot have the flags of the model's own run; serve has its worker's too
     names = [f.name for f in fields(InferenceOptions) if f.name in vars(args)]
     options = InferenceOptions(**{name: getattr(args, name) for name in names})
-    resolve_dtype(options.dtype, resolve_device(options.device))  # CUDA where there is none, fp16 on a CPU
+    translation_dtype(
+        options.dtype, resolve_device(options.device)
+    )  # CUDA where there is none, fp16 on a CPU
     return options
 
 

@@ -34,7 +34,7 @@ from aiayn.config import (
 from aiayn.data.corpus import check_sources, input_path
 from aiayn.extras import need
 from aiayn.files import check_replaceable, check_writable_dir
-from aiayn.precision import resolve_device, resolve_dtype
+from aiayn.precision import check_dtype, resolve_device, training_dtype
 
 if TYPE_CHECKING:
     from aiayn.checkpoint import ModelDir
@@ -135,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     size = provisional.vocab_size
     preset_for_vocabulary(provisional.preset, size, size, True, **model_overrides)
     tokenizer_options(args)  # the tokenizer flags, refused now if they cannot work
-    resolve_dtype(cfg.dtype, resolve_device(args.device))  # an unknown device, CUDA where there is none,
+    check_dtype(cfg.dtype, resolve_device(args.device))  # an unknown device, CUDA where there is none,
     # or fp16 on the CPU fails now
     ranks = Ranks.start(cfg.dist_backend, args.device, cfg.dist_timeout_minutes)
     ended = False  # whether this rank got through without an error
@@ -270,6 +270,19 @@ def fine_tuning_start(args: argparse.Namespace, model_overrides: dict[str, Any])
             f"--init {args.init} keeps its model's architecture: {', '.join(fixed)} cannot be set "
             f"(only {' and '.join(sorted(FINE_TUNABLE))} can)"
         )
+    if args.preset is not None:  # the preset's recipe applies; its model must be the one --init holds
+        recipe(args.preset)  # (an unknown name is refused)
+        shape = {k: v for k, v in PRESETS[args.preset].items() if k not in FINE_TUNABLE}
+        differ = [
+            f"{k} {getattr(start.config, k)}, not {v}"
+            for k, v in shape.items()
+            if getattr(start.config, k) != v
+        ]
+        if differ:
+            raise ValueError(
+                f"--init {args.init} keeps its model's architecture ({'; '.join(differ)}): --preset "
+                f"{args.preset} would change it; leave --preset out"
+            )
     for flag, given in (
         ("--vocab-size", args.vocab_size is not None),
         ("--separate-vocab", args.separate_vocab),
@@ -348,10 +361,11 @@ def budget_updates(
         bought = int(rate * cfg.max_minutes)
         if cfg.max_updates:
             bought = min(bought, cfg.max_updates)
-        record.update(minutes=cfg.max_minutes, updates_per_minute=round(rate, 1), updates=bought)
+        dtype = training_dtype(cfg.dtype, device, model.d_model)
+        record.update(minutes=cfg.max_minutes, updates_per_minute=round(rate, 1), updates=bought, dtype=dtype)
         say(
             f"aiayn: --max-minutes {cfg.max_minutes:g} buys about {bought:,} updates of --preset {preset_name} "
-            f"here ({rate:,.0f} a minute, measured)"
+            f"here ({rate:,.0f} a minute in {dtype}, measured)"
         )
         return bought
 

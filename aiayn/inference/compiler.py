@@ -35,12 +35,13 @@ from typing import Any
 import sympy
 import torch
 
-from aiayn.precision import cpu_class, rows_traced
+from aiayn.precision import kernels, rows_traced
 
-# Inductor's own C++ kernel for a matrix product of fewer rows than this, the library's from it: per CPU
-# class (precision.cpu_class) and kind of product, "fp32" (oneDNN's or MKL's prepacked linear) or "woq"
-# (int8 weights, _weight_int8pack_mm: precision.Int8Linear's weight-only route; its integer route has
-# no template, nothing to choose). From inductor's own timings (above), where the library starts to win.
+# Inductor's own C++ kernel for a matrix product of fewer rows than this, the library's from it: per
+# CPU class's kernels (precision.kernels) and kind of product, "fp32" (oneDNN's or MKL's prepacked
+# linear) or "woq" (int8 weights, _weight_int8pack_mm: precision.Int8Linear's weight-only route; its
+# integer route has no template, nothing to choose). From inductor's own timings (above), where the
+# library starts to win.
 TEMPLATE_ROWS = MappingProxyType(
     {
         "vnni": MappingProxyType({"fp32": 16, "woq": 8}),
@@ -51,7 +52,7 @@ TEMPLATE_ROWS = MappingProxyType(
 
 def template_rows() -> Mapping[str, int]:
     """This process's CPU class's row of TEMPLATE_ROWS."""
-    return TEMPLATE_ROWS[cpu_class()]
+    return TEMPLATE_ROWS[kernels()]
 
 
 def may_choose_template(rows: int | None) -> bool:

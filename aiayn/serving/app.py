@@ -30,7 +30,7 @@ from aiayn.config import SearchConfig, ServeConfig
 from aiayn.inference.search import Hypothesis
 from aiayn.inference.translate import Translator
 from aiayn.inference.warmup import Warmup
-from aiayn.precision import resolve_dtype
+from aiayn.precision import translation_dtype
 from aiayn.serving.worker import STARTING, STOPPED, ApiError, Call, Line, Metrics, Pending, Worker, log
 from aiayn.tokenizer import BOS_ID
 
@@ -141,7 +141,7 @@ def describe_service(translator: Translator, config: ServeConfig, engine_name: s
         "version": aiayn.__version__,
         "engine": engine_name,
         "device": str(translator.device),
-        "dtype": resolve_dtype(translator.dtype, translator.device),
+        "dtype": translation_dtype(translator.dtype, translator.device),
         "model": {
             "parameters": sum(p.numel() for p in translator.model.parameters()),
             **{

@@ -17,7 +17,7 @@ from aiayn.extras import need
 from aiayn.files import check_writable_dir
 from aiayn.inference.compiled import stored
 from aiayn.inference.translate import Translator
-from aiayn.precision import resolve_dtype
+from aiayn.precision import translation_dtype
 from aiayn.serving.app import create_app
 from aiayn.serving.worker import log
 
@@ -66,7 +66,7 @@ def serve(
             from aiayn.interop.ctranslate2 import CTranslate2Translator, export_ctranslate2
 
             compute = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
-            kind = resolve_dtype(options.dtype, translator.device)
+            kind = translation_dtype(options.dtype, translator.device)
             export_ctranslate2(model_dir, Path(scratch) / "ct2")
             other = CTranslate2Translator(
                 Path(scratch) / "ct2", search, device=translator.device.type, compute_type=compute[kind],

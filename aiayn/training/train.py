@@ -10,7 +10,7 @@ import math
 import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.checkpoint import averaged_model, checkpoint_path, load_model
-from aiayn.config import ModelConfig, SearchConfig, TrainConfig
+from aiayn.checkpoint import TRAIN_CONFIG, averaged_model, checkpoint_path, load_model
+from aiayn.config import ModelConfig, SearchConfig, TrainConfig, read_json
 from aiayn.data.corpus import batch_plan, collate, filter_lengths, make_batches
 from aiayn.data.prepare import Ids, Prepared, collate_ids
 from aiayn.inference.evaluate import evaluate, score
 from aiayn.inference.translate import Translator
 from aiayn.model import Transformer
-from aiayn.precision import autocast, configure, default_device, resolve_dtype
+from aiayn.precision import autocast, configure, cpu_class, default_device, training_dtype
 from aiayn.tokenizer import PAD_ID
 from aiayn.training.distributed import ONE, Ranks
 from aiayn.training.run import Progress, Run
@@ -117,7 +117,7 @@ def make_optimizer(model: Transformer, config: TrainConfig) -> torch.optim.Optim
 
 def grad_scaler(config: TrainConfig, device: torch.device) -> torch.amp.GradScaler | None:
     """fp16 (an option on CUDA) keeps small gradients representable by scaling the loss; bf16 needs none."""
-    return torch.amp.GradScaler(device.type) if resolve_dtype(config.dtype, device) == "fp16" else None
+    return torch.amp.GradScaler(device.type) if config.dtype == "fp16" else None
 
 
 # --- The training loop ------------------------------------------------------------------------------
@@ -146,6 +146,7 @@ def train(
     """
     device = device or default_device()
     configure(device)
+    cfg, chosen = number_format(run, cfg, model_config, device)
     with run.checking():  # before anything is written
         pairs, scaler = TrainingPairs.of(data, cfg.max_len), grad_scaler(cfg, device)
         check_positions(model_config, cfg, data)
@@ -156,6 +157,7 @@ def train(
     )
     sizes = {"pairs": len(pairs.keep), "too_long": pairs.too_long, "params": model.num_parameters()}
     run.log.record({"event": "data", **sizes}, echo=True)
+    run.log.say(f"number format: {cfg.dtype} ({chosen})")
     validation, ddp = Validation(data, device), ranks.wrap(model.train())
     with run:  # a run that fails before its first checkpoint leaves OUT as it found it
         with stop_signals() as signals:
@@ -191,6 +193,24 @@ def train(
     final = final_validation(run, validation, state, device) if stop.signal is None else None
     ranks.max([0], device)  # the other ranks wait for rank 0's final validation before they leave
     return finish(run, state, stop, final)
+
+
+def number_format(
+    run: Run, cfg: TrainConfig, model_config: ModelConfig, device: torch.device
+) -> tuple[TrainConfig, str]:
+    """cfg with its dtype resolved (train.json then records the format the run trains in), and why that
+    one: "auto" continues a resumed run in the format it trained in, and starts a new one in the format
+    precision.training_dtype measured faster for the model's width on this device."""
+    if cfg.dtype != "auto":
+        return cfg, "asked for"
+    if run.resuming:
+        saved = read_json(run.last_checkpoint() / TRAIN_CONFIG).get("dtype")
+        if saved not in (None, "auto"):
+            return replace(cfg, dtype=saved), f"auto: the format {run.last_checkpoint().name} trained in"
+    resolved = training_dtype("auto", device, model_config.d_model)
+    where = "CUDA" if device.type == "cuda" else f"CPU class {cpu_class()}"
+    why = f"auto: {where}, d_model {model_config.d_model}; --set dtype=... to choose"
+    return replace(cfg, dtype=resolved), why
 
 
 def starting_model(config: ModelConfig, seed: int, init: Mapping[str, Tensor] | None = None) -> Transformer:
@@ -306,7 +326,7 @@ def final_validation(run: Run, validation: Validation, state: Progress, device: 
     final = Final(search, single["bleu_signature"], single["bleu"])
     if len(chosen) >= 2:
         model = averaged_model(chosen)
-        average = Translator(model.to(device), run.tokenizer, search, cfg.dtype)
+        average = Translator(model.to(device), run.tokenizer, search)
         average_bleu = validation.score(average)["bleu"]
         final = Final(search, single["bleu_signature"], single["bleu"], tuple(steps), average_bleu)
         if final.kept == "average":
@@ -323,9 +343,8 @@ def final_validation(run: Run, validation: Validation, state: Progress, device: 
 def best_model(run: Run, state: Progress, search: SearchConfig, device: torch.device) -> Translator:
     """OUT's model. Removed or damaged while the run went on (a file replaced under it), it is written
     again from the checkpoint of its update, which is never pruned, so the run still ends whole."""
-    cfg = run.train_config
     try:
-        return Translator.load(run.out, search, dtype=cfg.dtype, device=device)
+        return Translator.load(run.out, search, device=device)
     except ValueError as e:
         source = checkpoint_path(run.out, state.best_step)
         if not source.is_dir():
@@ -335,7 +354,7 @@ def best_model(run: Run, state: Progress, search: SearchConfig, device: torch.de
             ) from None
         print(f"aiayn: {e}: OUT's model is written again from {source}", file=sys.stderr)
         run.save_model(load_model(source))
-        return Translator.load(run.out, search, dtype=cfg.dtype, device=device)
+        return Translator.load(run.out, search, device=device)
 
 
 REASONS = ("max_epochs", "max_updates", "max_minutes", "patience")
@@ -494,6 +513,8 @@ def train_step(
     """
     step = step or Step(lr)
     device = micro_batches[0][0].device
+    width = (model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model).config.d_model
+    dtype = training_dtype(cfg.dtype, device, width)  # (train() resolves "auto" once, for train.json)
     local = 0 if step.dummy else sum(int((tgt_out != PAD_ID).sum()) for _, _, tgt_out in micro_batches)
     n_tokens = int(step.ranks.sum([local], device)[0])
     loss_total, never = torch.zeros(()), never_produced(model)
@@ -503,7 +524,7 @@ def train_step(
         last = j == len(micro_batches) - 1
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         with model.no_sync() if ddp and not last else contextlib.nullcontext():
-            with autocast(src.device, cfg.dtype):
+            with autocast(src.device, dtype):
                 real = tgt_out != PAD_ID  # (B, T)
                 logits = model(src, tgt_in, where=real)  # (n, V): no vocabulary work on padding
             loss, _ = label_smoothed_loss(logits, tgt_out[real], cfg.label_smoothing, never)
@@ -578,8 +599,9 @@ class Validation:
 
     @torch.no_grad()
     def __call__(self, model: Transformer, cfg: TrainConfig) -> dict[str, Any]:
-        """{} without validation data. cfg: the run's (its length filter, batches, number format,
-        label smoothing and valid_search)."""
+        """{} without validation data. cfg: the run's (its length filter, batches, number format of the
+        loss, label smoothing and valid_search). BLEU is of translations in translation's own default
+        number format, as `aiayn translate` and `evaluate` make them."""
         tokenizer, src_text, tgt_text = self.data.tokenizer, self.data.valid_src, self.data.valid_tgt
         if not src_text:
             return {}
@@ -589,7 +611,7 @@ class Validation:
         src_ids, tgt_ids = [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
         loss_sum = nll_sum = tokens = 0.0
         lengths = [len(x) for x in src_ids], [len(x) for x in tgt_ids]
-        with autocast(self.device, cfg.dtype):
+        with autocast(self.device, training_dtype(cfg.dtype, self.device, model.config.d_model)):
             for batch in make_batches(*lengths, cfg.max_tokens, seed=0, epoch=0):
                 src, tgt_in, tgt_out = (t.to(self.device) for t in collate(src_ids, tgt_ids, batch))
                 real = tgt_out != PAD_ID  # (B, T)
@@ -599,7 +621,7 @@ class Validation:
                 )
                 loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
                 tokens += real.sum().item()
-        hyps = Translator(model, tokenizer, cfg.valid_search, cfg.dtype).translate(src_text)
+        hyps = Translator(model, tokenizer, cfg.valid_search).translate(src_text)
         bleu = score(hyps, tgt_text)["bleu"]
         model.train()
         return {

@@ -62,7 +62,7 @@ def test_the_few_and_the_many_share_a_graph_where_every_choice_by_rows_is_the_sa
     classes, traced for 4 and 32 sentences, would choose every kernel (TEMPLATE_ROWS of the CPU's class)
     and int8 route (precision.row_class: few below 16 rows) alike; else each class its own. One sentence
     is always a class of its own."""
-    monkeypatch.setattr(compiler, "cpu_class", lambda: cpu)
+    monkeypatch.setattr(compiler, "kernels", lambda: cpu)
     assert shared_class(kind, "few", per_sentence) == few
     assert shared_class(kind, "many", per_sentence) == ("any" if few == "any" else "many")
     assert shared_class(kind, "one", per_sentence) == "one"

@@ -1,19 +1,20 @@
 """Tests for aiayn.inference.translate: one output per input in order, empty lines, batching invariance, greedy
-output against a naive full-prefix decoder written here, n-best lists, and vocabulary checks."""
+output against a naive full-prefix decoder written here (all in fp32, which is exact), n-best lists, and
+vocabulary checks."""
 
 import pytest
 import torch
+from conftest import naive_greedy
 
 from aiayn.config import SearchConfig, preset
 from aiayn.data.synthetic import generate
 from aiayn.inference import warmup
 from aiayn.inference.compiled import shared_class
-from aiayn.inference.search import FIRST_OUTPUT
 from aiayn.inference.translate import Translator
 from aiayn.inference.warmup import classes_up_to, plan
 from aiayn.model import Transformer
 from aiayn.precision import Int8Linear, for_inference
-from aiayn.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from aiayn.tokenizer import BOS_ID, Tokenizer
 
 SRC, TGT = generate(120, seed=2)
 # Long and short sentences mixed, an empty line among them (the order is not sorted by length).
@@ -36,25 +37,12 @@ def model(tokenizer) -> Transformer:
 
 @pytest.fixture(scope="module")
 def translator(model, tokenizer) -> Translator:
-    return Translator(model, tokenizer, SearchConfig(beam_size=4))
+    return Translator(model, tokenizer, SearchConfig(beam_size=4), dtype="fp32")
 
 
 @pytest.fixture(scope="module")
 def beam_outputs(translator) -> list[str]:
     return translator.translate(INPUTS)
-
-
-def naive_greedy(model: Transformer, ids: list[int], max_len: int) -> list[int]:
-    """Re-run the whole decoder on the whole prefix at every step (no cache, no batch), argmax each time."""
-    src = torch.tensor([ids])  # (1, S)
-    out = [BOS_ID]
-    with torch.no_grad():
-        while len(out) - 1 < max_len:
-            token = FIRST_OUTPUT + int(model(src, torch.tensor([out]))[0, -1, FIRST_OUTPUT:].argmax())
-            if token == EOS_ID:
-                break
-            out.append(token)
-    return out[1:]
 
 
 def test_one_output_per_input_in_order_with_empty_lines_empty(translator, beam_outputs):
@@ -81,7 +69,9 @@ def test_greedy_equals_naive_full_prefix_decoding(model, tokenizer, translator):
 
 @pytest.mark.parametrize("batch_tokens", [1, 150, 10**6])
 def test_batch_size_does_not_change_outputs(model, tokenizer, beam_outputs, batch_tokens):
-    translator = Translator(model, tokenizer, SearchConfig(beam_size=4), batch_tokens=batch_tokens)
+    translator = Translator(
+        model, tokenizer, SearchConfig(beam_size=4), dtype="fp32", batch_tokens=batch_tokens
+    )
     assert translator.translate(INPUTS) == beam_outputs
 
 

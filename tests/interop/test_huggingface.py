@@ -11,7 +11,7 @@ import sys
 import pytest
 import safetensors.torch
 import torch
-from conftest import EOS_HEAVY_V, eos_heavy_model
+from conftest import EOS_HEAVY_V, eos_heavy_model, word_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,7 +28,7 @@ from aiayn.interop.huggingface import (  # noqa: E402
     residual_permutation,
 )
 from aiayn.model import Transformer, sinusoids  # noqa: E402
-from aiayn.tokenizer import EOS_ID, PAD_ID, Tokenizer  # noqa: E402
+from aiayn.tokenizer import EOS_ID, PAD_ID  # noqa: E402
 
 _rng = random.Random(0)
 SOURCES = [
@@ -66,18 +66,6 @@ def random_model(**changes) -> Transformer:
             elif name == "generator.bias":
                 p.normal_(0.0, 2.0)
     return model
-
-
-def word_tokenizer(src_size: int, tgt_size: int) -> Tokenizer:
-    """A word tokenizer with exactly these vocabulary sizes (one, joint, when they are equal)."""
-    words = [f"w{i}" for i in range(max(src_size, tgt_size))]
-    joint = src_size == tgt_size
-    src = [" ".join(words[: src_size - 4])]
-    tgt = [" ".join(words[: tgt_size - 4])]
-    tokenizer = Tokenizer.train(src, tgt if not joint else src, vocab_size=max(src_size, tgt_size), kind="word",
-                                min_frequency=1, joint=joint)  # fmt: skip
-    assert (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) == (src_size, tgt_size)
-    return tokenizer
 
 
 def padded_batch(model: Transformer) -> tuple[torch.Tensor, torch.Tensor]:

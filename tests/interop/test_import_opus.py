@@ -11,6 +11,7 @@ import torch
 from conftest import MULTI30K, assert_one_line_error, multi30k_lines, opus_mt_directory, run_cli
 
 from aiayn.checkpoint import load_model, load_search
+from aiayn.precision import translation_dtype
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -77,12 +78,14 @@ def test_the_import_gives_transformers_tokens_greedy_and_beam(opus):
     """40 sentences through aiayn's search on the import and through generate on the original (OPUS-MT's
     generation config: pad banned; the same output limit per sentence, the same length penalty; beams run
     until no live hypothesis can win, as aiayn's do). A random tied model repeats itself to the limit, so
-    this compares long outputs; stopping at EOS is compared on the export's own tests."""
+    this compares long outputs; stopping at EOS is compared on the export's own tests. The import runs as
+    a user's command does, in the default number format: fp32, exact, on every CPU class."""
     from aiayn.inference.translate import Translator
 
     source, marian, imported = opus
     hf = transformers.MarianMTModel.from_pretrained(source, torch_dtype=torch.float32).eval()
-    translator = Translator.load(imported)
+    translator = Translator.load(imported)  # no dtype, as `aiayn translate` with no flags
+    assert translation_dtype(translator.dtype, translator.device) == "fp32"
     texts = multi30k_lines("val.en.gz", 40, skip=100)
     assert load_search(imported).beam_size == 4
     outputs = set()

@@ -316,6 +316,36 @@ def test_a_compiled_server_answers_at_once_and_moves_to_its_graphs_as_they_come(
     assert sorted(graph["worker"] for graph in progress["graphs"]) in ([0, 0, 1], [0, 1, 1])
 
 
+def test_a_sentences_answer_does_not_depend_on_what_shares_its_batch_in_the_default_format(
+    model_dir, translator
+):
+    """A server in the number format a user gets with no flags (fp32 on every CPU class): each sentence is
+    translated the same alone and among other lines in one batch, while the batches decode eagerly and
+    once they decode through the compiled graphs of one sentence and of a few, the same as `aiayn
+    translate` (fp32, eager) translates it alone."""
+    compiled = Translator.load(model_dir, SearchConfig(beam_size=4), device="cpu", compile=True)
+    lines = [*INPUTS, "The red bird sees my happy child.", "A key likes the old river."]
+    alone = [translator.translate([line]) for line in lines]
+
+    def answers(c) -> None:
+        for i, line in enumerate(lines):
+            batch = [line, *lines[:i], *lines[i + 1 :]][:4]
+            response = c.post("/translate", json={"text": batch})
+            assert response.headers["X-Batch-Size"] == str(len(batch))
+            assert response.json()["translations"][:1] == alone[i], line
+            assert c.post("/translate", json={"text": [line]}).json()["translations"] == alone[i], line
+
+    with client_for(compiled, batch_sentences=4, timeout_s=300) as c:
+        answers(c)  # (eagerly: no graph is in yet)
+        deadline = time.monotonic() + 300
+        while (progress := c.get("/info").json()["compiled"])["state"] == "compiling":
+            assert time.monotonic() < deadline, "the graphs took over 5 minutes"
+            time.sleep(0.2)
+        assert progress["state"] == "done" and set(progress["ready"]) == {"one", "few"}, progress
+        answers(c)
+    assert len(compiled.compiled._packages) == progress["graphs_total"]  # the graphs did translate
+
+
 def test_a_server_can_hold_readiness_until_its_graphs_are_in(model_dir, translator):
     """--ready-when-compiled (for a deployment behind a readiness probe): /health answers 503 "starting"
     until the graphs are in, while /translate answers anyway. (The graphs are those the test above made:
