@@ -7,11 +7,13 @@ target tokens per second for forward + backward + optimizer step (median of alte
 peak RSS (one child process per cell), and model FLOPs utilisation against the measured GEMM peak.
 aiayn with its own length bucketing is reported on its own line, labelled as such.
 
-`--configs low-resource` measures the recipe's shape for small corpora (d_model 128, 4 layers a side,
-a 6,000-token vocabulary) on the same batches; `--profile` adds what aiayn's update is made of (the
+Each config in fp32 and in bf16 autocast where the CPU multiplies bf16 natively, the format that dtype
+auto takes on this CPU's class marked as its default (precision.training_dtype; tests/test_cpu_classes.py
+holds the AMX class's choice to these figures). `low-resource` is the recipe's shape for small corpora
+(d_model 128, 4 layers a side, a 6,000-token vocabulary), on the same batches; `--profile` adds what aiayn's update is made of (the
 output layer's, the dropout masks' and Adam's shares of its operators' time, and the top operators).
 
-    python benchmarks/bench_train.py [--configs small,base,low-resource] [--dtypes fp32,bf16] [--reps 5] [--profile]
+    python benchmarks/bench_train.py [--configs low-resource,small,base] [--dtypes fp32,bf16] [--reps 5] [--profile]
 The last line printed is JSON with every figure and ratio.
 """
 
@@ -53,6 +55,7 @@ from common import (  # noqa: E402
 from aiayn.config import ModelConfig, TrainConfig  # noqa: E402
 from aiayn.data.corpus import collate, make_batches  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
+from aiayn.precision import training_dtype  # noqa: E402
 from aiayn.training.train import make_optimizer, train_step  # noqa: E402
 
 MAX_TOKENS = 4096
@@ -440,7 +443,7 @@ def cuda_ratios(results: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--configs", help="default: small,base on the CPU, base on CUDA")
+    ap.add_argument("--configs", help="default: low-resource,small,base on the CPU, base on CUDA")
     ap.add_argument("--dtypes", help="default: fp32,bf16 on the CPU, bf16 on CUDA")
     ap.add_argument(
         "--max-tokens", help=f"CUDA: padded target tokens per batch, each a cell ({CUDA_BUDGETS})"
@@ -472,7 +475,7 @@ def main() -> None:
     if args.device == "cuda":
         args.configs = args.configs or "base"
         return cuda_main(args)
-    args.configs, args.dtypes = args.configs or "small,base", args.dtypes or "fp32,bf16"
+    args.configs, args.dtypes = args.configs or "low-resource,small,base", args.dtypes or "fp32,bf16"
 
     set_threads()
     systems = ["aiayn", "torch.nn"] + (["marian"] if have("transformers") else [])
@@ -530,7 +533,8 @@ def main() -> None:
                     + ", ".join(f"{name} {100 * value:.0f}%" for name, value in shares.items())
                     + f"\n{table}"
                 )
-    print_table(results)
+    defaults = {c: training_dtype("auto", CPU, CONFIGS[c]["d_model"]) for c in args.configs.split(",")}
+    print_table(results, defaults)
     summary = ratios(results)
     for line in summary["lines"]:
         print(line)
@@ -539,6 +543,7 @@ def main() -> None:
         "machine": machine(),
         "command": shlex.join(["python", *sys.argv]),
         "gemm_peak_gflops": peaks,
+        "defaults": defaults,  # the dtype `aiayn train` takes for each config here
         "results": results,
         "ratios": summary["ratios"],
         "steal_s_total": (steal_ticks() - steal0) / 100,
@@ -549,12 +554,14 @@ def main() -> None:
     save_results(args.results, report)
 
 
-def print_table(results: list[dict]) -> None:
-    print(f"\n{'config':6} {'dtype':5} {'system':18} {'tok/s':>8} {'MFU':>6} {'peak RSS MB':>12}")
+def print_table(results: list[dict], defaults: dict[str, str]) -> None:
+    """The CPU's figures; * marks the dtype `aiayn train` takes for each config here."""
+    print(f"\n{'config':12} {'dtype':6} {'system':18} {'tok/s':>8} {'MFU':>6} {'peak RSS MB':>12}")
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
         rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else "-"
-        print(f"{r['config']:6} {r['dtype']:5} {r['system']:18} {r['tokens_per_s']:8.0f} {mfu:>6} {rss:>12}")
+        dtype = r["dtype"] + ("*" if defaults[r["config"]] == r["dtype"] else "")
+        print(f"{r['config']:12} {dtype:6} {r['system']:18} {r['tokens_per_s']:8.0f} {mfu:>6} {rss:>12}")
 
 
 def ratios(results: list[dict]) -> dict:

@@ -3,8 +3,8 @@
 The benchmarks' standard workload: `base` and `small` shapes with random weights, source
 sentences with seed 4321 and lengths uniform{8..24}; exactly 24 new tokens each (EOS suppressed so
 random weights cannot stop early); greedy and beam 4; batch 32 (throughput) and batch 1 (latency);
-fp32, bf16 and int8 where a system has them. Reports sentences per second, median of alternating
-rounds. CTranslate2 runs the aiayn model's own weights through `aiayn export` (same shape, same
+fp32, bf16 and int8 where a system has them (fp32 is the format `aiayn translate` takes by default on
+every CPU class). Reports sentences per second, median of alternating rounds. CTranslate2 runs the aiayn model's own weights through `aiayn export` (same shape, same
 numbers); Hugging Face Marian is built from an equivalent MarianConfig.
 
     python benchmarks/bench_translate.py [--configs small,base] [--sentences 256] [--reps 3]
@@ -67,7 +67,7 @@ from common import (  # noqa: E402
 from aiayn.config import SearchConfig  # noqa: E402
 from aiayn.inference.compiled import CompiledDecoder  # noqa: E402
 from aiayn.inference.search import search  # noqa: E402
-from aiayn.precision import autocast, configure, for_inference, resolve_device  # noqa: E402
+from aiayn.precision import autocast, configure, for_inference, resolve_device, translation_dtype  # noqa: E402
 
 NEW_TOKENS = 24
 
@@ -587,6 +587,7 @@ def main() -> None:
         "gpu": gpu(device),
         "command": shlex.join(["python", *sys.argv]),
         "versions": versions(),
+        "default_dtype": translation_dtype("auto", device),  # what `aiayn translate` takes here
         "results": results,
         "ratios": summary["ratios"],
         "best_of_aiayn": summary["best"],

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.inference.search import Decoder, Seq2Seq, WrappedDecoder
-from aiayn.precision import cpu_flags, cpu_info
+from aiayn.precision import cpu_class, cpu_flags, cpu_info
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -271,8 +271,9 @@ def machine() -> str:
     amx = "yes" if torch._C._cpu._init_amx() else "no"
     cap = capped()
     if cap:  # the checked kernels, and what the cap turns off
-        return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}, capped at {cap.upper()} (AMX, VNNI and AVX-512 off)"
-    return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}, AMX {amx}"
+        return (f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}, capped at {cap.upper()} (AMX, VNNI and "
+                f"AVX-512 off), CPU class {cpu_class()}")  # fmt: skip
+    return f"{os.cpu_count()} cores, {cpu}, torch {torch.__version__}, AMX {amx}, CPU class {cpu_class()}"
 
 
 def save_results(path: str | Path | None, summary: dict) -> None:
@@ -282,7 +283,8 @@ def save_results(path: str | Path | None, summary: dict) -> None:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    dated = {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), **summary}
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    dated = {"date": today, "cpu_class": cpu_class(), **summary}  # whose defaults and routes it measured
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(dated, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
