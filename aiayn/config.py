@@ -120,7 +120,8 @@ class TrainConfig:
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
     clip_norm: float = 0.0  # 0 = no clipping (the paper does not clip)
-    dtype: TrainDtype = DEFAULT_DTYPE  # auto: bf16 autocast on CUDA or a CPU with AMX, else fp32
+    # auto: bf16 autocast on CUDA, and on a CPU with AMX from d_model 256; else fp32 (precision.training_dtype)
+    dtype: TrainDtype = DEFAULT_DTYPE
     max_len: int = 256  # training pairs with more tokens than this on either side are filtered
     max_epochs: int = _about(0, "stop after this many epochs (0: no limit)")
     max_updates: int = _about(0, "stop after this many updates (0: no limit)")
@@ -246,7 +247,7 @@ class InferenceOptions:
     translator (`aiayn translate`, `evaluate`, `plot`, `serve`, a training run's final validation)."""
 
     device: str = "auto"  # auto (CUDA when there is a GPU), cpu, cuda or cuda:N
-    dtype: Dtype = DEFAULT_DTYPE  # auto: bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU; fp16: CUDA
+    dtype: Dtype = DEFAULT_DTYPE  # auto: fp32 on a CPU, bf16 on CUDA; int8: CPU; fp16: CUDA
     # decode with a compiled step (inference/compiled.py), compiling the graphs a batch needs the first time
     # (True); or only with the graphs an earlier compile left in the store, the other batches eagerly
     # ("stored": the command line's default, which never compiles)

@@ -4,6 +4,7 @@ files the benchmarks write, so that a figure there is always one a benchmark mea
     docs/m30k_budget.json        python benchmarks/bench_budget.py      (quality: Multi30k under a CPU budget)
     docs/bench_train_cpu.json    python benchmarks/bench_train.py ... --results docs/bench_train_cpu.json
     docs/bench_translate_cpu.json  python benchmarks/bench_translate.py ... --results docs/bench_translate_cpu.json
+    docs/bench_translate_cpu_bf16.json  python benchmarks/bench_translate.py --dtypes fp32,bf16 ... (on AMX)
     docs/bench_cold_cpu.json, docs/bench_cold_cpu_avx2.json
                                  python benchmarks/bench_serve.py --cold-start [--isa avx2] --results ...
     docs/bench_opus_cpu.json     python benchmarks/bench_opus.py --results docs/bench_opus_cpu.json
@@ -20,6 +21,10 @@ import re
 import sys
 from pathlib import Path
 
+import torch
+
+from aiayn.precision import translation_dtype
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_budget import (  # noqa: E402  (the README commands, whose runs make the table; a run's minutes)
     COMMAND,
@@ -31,6 +36,7 @@ README = ROOT / "README.md"
 QUALITY = ROOT / "docs" / "m30k_budget.json"
 TRAIN = ROOT / "docs" / "bench_train_cpu.json"
 TRANSLATE = ROOT / "docs" / "bench_translate_cpu.json"
+BF16 = ROOT / "docs" / "bench_translate_cpu_bf16.json"
 PERFORMANCE = ROOT / "docs" / "performance.md"
 RESULTS = ROOT / "docs" / "results.md"
 COLD = ROOT / "docs" / "bench_cold_cpu.json"
@@ -147,23 +153,43 @@ def by_updates(record: dict) -> str:
     return "\n".join(lines)
 
 
+CONFIG_ORDER = ["low-resource", "small", "base"]
+# what `aiayn translate` takes with no --dtype: fp32 on every CPU class (precision.translation_dtype)
+TRANSLATION_DEFAULT = translation_dtype("auto", torch.device("cpu"))
+
+
+def marked(dtype: str, default: str | None) -> str:
+    """A number format, with "(default)" where it is the one aiayn takes on the run's CPU."""
+    return f"{dtype} (default)" if dtype == default else dtype
+
+
+def training_rows(train: dict) -> list[tuple[str, str, dict[str, float]]]:
+    """(config, dtype, {system: target tokens/s}) of each cell of a training run, in the tables' order."""
+    cells = sorted(
+        {(r["config"], r["dtype"]) for r in train["results"]},
+        key=lambda c: (CONFIG_ORDER.index(c[0]), c[1] != "fp32"),
+    )
+    return [
+        (config, dtype, {r["system"]: r["tokens_per_s"] for r in train["results"] if (r["config"], r["dtype"]) == (config, dtype)})
+        for config, dtype in cells
+    ]  # fmt: skip
+
+
 def speed(train: dict, translate: dict) -> str:
     """aiayn against the peers on the same workload, in one run of each benchmark: training against the
-    best peer; translation against CTranslate2 (the faster of its thread counts), ONNX Runtime and
-    transformers' generate, where the run measured them."""
+    best peer, in each format measured, the CPU's default marked; translation in the default format and
+    int8 against CTranslate2 (the faster of its thread counts), ONNX Runtime and transformers' generate,
+    where the run measured them (bf16's cells: docs/performance.md)."""
     lines = [
         "| training | aiayn | best peer | aiayn / peer |",
         "|---|---:|---|---:|",
     ]
-    for config in sorted({r["config"] for r in train["results"]}, key=["small", "base"].index):
-        for dtype in sorted({r["dtype"] for r in train["results"]}):
-            rows = {r["system"]: r["tokens_per_s"] for r in train["results"]
-                    if (r["config"], r["dtype"]) == (config, dtype)}  # fmt: skip
-            peer = max((s for s in rows if not s.startswith("aiayn")), key=rows.get)
-            lines.append(
-                f"| `{config}` {dtype}, target tokens/s | {rows['aiayn']:,.0f} | "
-                f"{rows[peer]:,.0f} ({PEERS.get(peer, peer)}) | {rows['aiayn'] / rows[peer]:.2f}x |"
-            )
+    for config, dtype, rows in training_rows(train):
+        peer = max((s for s in rows if not s.startswith("aiayn")), key=rows.get)
+        lines.append(
+            f"| `{config}` {marked(dtype, train['defaults'][config])}, target tokens/s | {rows['aiayn']:,.0f} | "
+            f"{rows[peer]:,.0f} ({PEERS.get(peer, peer)}) | {rows['aiayn'] / rows[peer]:.2f}x |"
+        )
     systems = {r["system"] for r in translate["results"]}
     others = [s for s in ("onnxruntime", "marian generate") if s in systems]
     lines += [
@@ -173,22 +199,15 @@ def speed(train: dict, translate: dict) -> str:
         + "aiayn's best / best peer |",
         "|---|---:|---:|---:|" + "---:|" * len(others) + "---:|",
     ]
-    cells = sorted(
-        {(r["config"], r["dtype"], r["search"], r["batch"]) for r in translate["results"]},
-        key=lambda c: (["small", "base"].index(c[0]), c[1] != "fp32", c[2] != "greedy", -c[3]),
-    )
-    for cell in cells:
-        rows = {r["system"]: r["sentences_per_s"] for r in translate["results"]
-                if (r["config"], r["dtype"], r["search"], r["batch"]) == cell}  # fmt: skip
+    default = TRANSLATION_DEFAULT
+    for (config, dtype, search, batch), rows in translation_cells(translate, (default, "int8")):
         ct2 = max((s for s in rows if s.startswith("ctranslate2")), key=rows.get)
         peers = [s for s in rows if not s.startswith("aiayn")]
         best_peer = max(rows[s] for s in peers)
         compiled = rows.get("aiayn compiled (store)")
         best = max(rows["aiayn"], compiled or 0)
-        config, dtype, search, batch = cell
-        sentences = "1 sentence" if batch == 1 else f"{batch} sentences a batch"
         lines.append(
-            f"| `{config}` {dtype}, {search.replace('beam', 'beam ')}, {sentences} | {rows['aiayn']:.1f} | "
+            f"| `{config}` {marked(dtype, default)}, {described(search, batch)} | {rows['aiayn']:.1f} | "
             f"{f'{compiled:.1f}' if compiled else '-'} | {rows[ct2]:.1f} ({ct2.split()[-1]}) | "
             + "".join(f"{rows[s]:.1f} | " if s in rows else "- | " for s in others)
             + f"{best / best_peer:.2f}x |"
@@ -199,6 +218,86 @@ def speed(train: dict, translate: dict) -> str:
         f"{translate['machine']}, {translate['date']} (`{translate['command']}`); CTranslate2 with the "
         "faster of 1 and 2 threads (t), ONNX Runtime fp32 only.",
     ]
+    return "\n".join(lines)
+
+
+def translation_cells(translate: dict, dtypes: tuple[str, ...]) -> list[tuple[tuple, dict[str, float]]]:
+    """((config, dtype, search, batch), {system: sentences/s}) of a translation run's cells in these
+    formats, in the tables' order."""
+    cells = sorted(
+        {
+            (r["config"], r["dtype"], r["search"], r["batch"])
+            for r in translate["results"]
+            if r["dtype"] in dtypes
+        },
+        key=lambda c: (CONFIG_ORDER.index(c[0]), dtypes.index(c[1]), c[2] != "greedy", -c[3]),
+    )
+    return [
+        (cell, {r["system"]: r["sentences_per_s"] for r in translate["results"] if (r["config"], r["dtype"], r["search"], r["batch"]) == cell})
+        for cell in cells
+    ]  # fmt: skip
+
+
+def described(search: str, batch: int) -> str:
+    sentences = "1 sentence" if batch == 1 else f"{batch} sentences a batch"
+    return f"{search.replace('beam', 'beam ')}, {sentences}"
+
+
+def cpu_training(train: dict) -> str:
+    """Training on the CPU in every format measured, each system's speed and peak memory."""
+    lines = [
+        "| config | dtype | aiayn | torch.nn.Transformer | HF Marian | aiayn / best peer | peak RSS MB aiayn / torch.nn / Marian | aiayn with its bucketing |",
+        "|---|---|---:|---:|---:|---:|---|---:|",
+    ]
+    memory = {(r["config"], r["dtype"], r["system"]): r.get("peak_rss_mb") for r in train["results"]}
+    for config, dtype, rows in training_rows(train):
+        peer = max(rows.get("torch.nn", 0), rows.get("marian", 0))
+        rss = " / ".join(
+            f"{memory.get((config, dtype, s)) or 0:,.0f}" for s in ("aiayn", "torch.nn", "marian")
+        )
+        lines.append(
+            f"| {config} | {marked(dtype, train['defaults'][config])} | {rows['aiayn']:,.0f} | "
+            f"{rows.get('torch.nn', 0):,.0f} | {rows.get('marian', 0):,.0f} | {rows['aiayn'] / peer:.2f}x | {rss} | "
+            f"{rows['aiayn (bucketing)']:,.0f} |"
+        )
+    peaks = ", ".join(f"{d} {v:,.0f}" for d, v in train["gemm_peak_gflops"].items())
+    lines += [
+        "",
+        f"{train['machine']}, {train['date']} (`{train['command']}`); measured GEMM peak (GFLOP/s): {peaks}.",
+    ]
+    return "\n".join(lines)
+
+
+def cpu_bf16(translate: dict) -> str:
+    """What bf16 buys for translation on the run's CPU against its default format (fp32)."""
+    default = TRANSLATION_DEFAULT
+    fast = {cell: rows for cell, rows in translation_cells(translate, (default, "bf16"))}
+    lines = [
+        f"| config | search | batch | {default} (default): aiayn | compiled | bf16: aiayn | compiled | CTranslate2 bf16 | aiayn's best, bf16 / {default} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (config, dtype, search, batch), bf16 in fast.items():
+        if dtype != "bf16":
+            continue
+        base = fast[(config, default, search, batch)]
+        ct2 = max((bf16[s] for s in bf16 if s.startswith("ctranslate2")), default=None)
+
+        def best(rows: dict[str, float]) -> float:
+            return max(rows["aiayn"], rows.get("aiayn compiled (store)", 0))
+
+        cells = [
+            base["aiayn"],
+            base.get("aiayn compiled (store)"),
+            bf16["aiayn"],
+            bf16.get("aiayn compiled (store)"),
+            ct2,
+        ]
+        lines.append(
+            f"| {config} | {search.replace('beam', 'beam ')} | {batch} | "
+            + "".join(f"{v:.1f} | " if v else "- | " for v in cells)
+            + f"{best(bf16) / best(base):.2f}x |"
+        )
+    lines += ["", f"{translate['machine']}, {translate['date']} (`{translate['command']}`)."]
     return "\n".join(lines)
 
 
@@ -273,7 +372,12 @@ def tables(page: Path = README) -> dict[str, str]:
     """The tables of one page (README.md or docs/performance.md), by name."""
     cold = [read(COLD), read(COLD_AVX2)]
     if page == PERFORMANCE:
-        return {"cold start": cold_start(cold, full=True), "opus-mt": opus(read(OPUS))}
+        return {
+            "cpu training": cpu_training(read(TRAIN)),
+            "cpu bf16": cpu_bf16(read(BF16)),
+            "cold start": cold_start(cold, full=True),
+            "opus-mt": opus(read(OPUS)),
+        }
     if page == RESULTS:
         return {"updates": by_updates(read(QUALITY))}
     return {

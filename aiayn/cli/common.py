@@ -42,7 +42,9 @@ def dtype_flag(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=typing.get_args(Dtype),
         default=DEFAULT_DTYPE,
-        help="auto (default): bf16 on CUDA or a CPU with AMX, else fp32; int8: CPU; fp16: CUDA",
+        help="auto (default): fp32 on a CPU (exact: a sentence's translation does not depend on what shares "
+        "its batch), bf16 on CUDA; bf16: faster on a CPU with AMX for batches, slower for one sentence, and "
+        "changes some translations (docs/translation.md); int8: CPU; fp16: CUDA",
     )
 
 
