@@ -178,7 +178,9 @@ def opus_shaped(tmp_path_factory):
     export_transformers(root / "model", root / "hf")
     hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(root / "hf").eval()
     generator = torch.Generator().manual_seed(3)
-    sources = [torch.randint(4, EOS_HEAVY_V, (n,), generator=generator).tolist() + [EOS_ID] for n in range(3, 23)]
+    sources = [
+        torch.randint(4, EOS_HEAVY_V, (n,), generator=generator).tolist() + [EOS_ID] for n in range(3, 23)
+    ]
     want = []
     for ids in sources:
         with torch.no_grad():

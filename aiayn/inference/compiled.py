@@ -350,7 +350,8 @@ class CompiledDecoder(Decoder):
             mask = torch.ones(B, 1, 1, src.size(1), dtype=torch.bool, device=src.device)  # (B, 1, 1, S)
         graph = self._graph_class("memory", cls)
         src, mask = _batch(_dynamic(src, 1), 0, graph), _batch(_dynamic(mask, 3), 0, graph)
-        states, cross = self._call(("memory", graph), src, mask)  # (B, S, D), 2 x (B, S, D) a layer
+        key = ("memory", graph, traced_format(src.device))
+        states, cross = self._call(key, src, mask)  # (B, S, D), 2 x (B, S, D) a layer
         return CompiledMemory(_batch(_dynamic(states, 1), 0, cls), mask, cross=cross)
 
     def new_cache(self, memory: Memory, max_len: int) -> StaticCache | DecoderCache:
@@ -399,7 +400,7 @@ class CompiledDecoder(Decoder):
         B = cache.layers[0].cross_k.size(0)
         N = cache.rows // B
         key = ("step", self._graph_class("step", cache.row_class, N), N, cache.source is not None,
-               cache.output is not None)  # fmt: skip
+               cache.output is not None, traced_format(tgt_in.device))  # fmt: skip
         return self._call(key, tgt_in, *cache.arguments())[:live]
 
     def beam_candidates(
@@ -796,6 +797,16 @@ def fingerprint(model: Transformer, options: dict, weights: bool = True) -> str:
 
 
 # --- What `aiayn translate` decodes with by default: the graphs an earlier compile stored, and no other --
+
+
+def traced_format(device: torch.device) -> str:
+    """The number format a graph of the model called now runs in: the autocast in force around the call,
+    part of the graph's key. A graph keeps the casts it was traced with, so one model's fp32 and bf16
+    graphs are different graphs, and a store holding one must not serve the other (a search's own
+    work is keyed by its logits' dtype)."""
+    if torch.is_autocast_enabled(device.type):
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[torch.get_autocast_dtype(device.type)]
+    return "fp32"
 
 
 def compile_options(model: Transformer, **options: Any) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from aiayn.inference import compiler
 from aiayn.inference.compiled import (
     TRACED_CODE,
     CompiledDecoder,
+    NotStored,
+    StoredDecoder,
     _Damaged,
     _load_stored,
     _Package,
@@ -91,6 +93,19 @@ def package_code(path) -> str:
     """The C++ of a package: its kernels and the wrapper that calls them and the library."""
     with zipfile.ZipFile(path) as archive:
         return "".join(archive.read(n).decode() for n in archive.namelist() if n.endswith(".cpp"))
+
+
+def test_a_store_serves_a_graph_only_in_the_number_format_it_was_traced_in(model, store):
+    """A graph keeps the casts it was traced with: the store's fp32 packages serve an fp32 search, and a
+    bf16 search of the same model finds none of its own (it decodes eagerly, as `compile="stored"` does,
+    instead of running fp32's graphs, or an fp32 search bf16's)."""
+    copy = Transformer(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    stored = StoredDecoder(copy, store)
+    assert_same(greedy(stored), greedy(copy))  # fp32: every graph from the store
+    with pytest.raises(NotStored) as missing, torch.autocast("cpu", dtype=torch.bfloat16):
+        greedy(StoredDecoder(copy, store))
+    assert missing.value.args[0][0] == "memory" and missing.value.args[0][-1] == "bf16"
 
 
 def test_each_product_takes_the_kernel_of_its_rows_and_none_is_timed(compiled):
