@@ -5,6 +5,7 @@ files the benchmarks write, so that a figure there is always one a benchmark mea
     docs/bench_train_cpu.json    python benchmarks/bench_train.py ... --results docs/bench_train_cpu.json
     docs/bench_translate_cpu.json  python benchmarks/bench_translate.py ... --results docs/bench_translate_cpu.json
     docs/bench_translate_cpu_bf16.json  python benchmarks/bench_translate.py --dtypes fp32,bf16 ... (on AMX)
+    docs/bench_formats_cpu.json  python benchmarks/bench_formats.py --results docs/bench_formats_cpu.json
     docs/bench_cold_cpu.json, docs/bench_cold_cpu_avx2.json
                                  python benchmarks/bench_serve.py --cold-start [--isa avx2] --results ...
     docs/bench_opus_cpu.json     python benchmarks/bench_opus.py --results docs/bench_opus_cpu.json
@@ -37,6 +38,7 @@ QUALITY = ROOT / "docs" / "m30k_budget.json"
 TRAIN = ROOT / "docs" / "bench_train_cpu.json"
 TRANSLATE = ROOT / "docs" / "bench_translate_cpu.json"
 BF16 = ROOT / "docs" / "bench_translate_cpu_bf16.json"
+FORMATS = ROOT / "docs" / "bench_formats_cpu.json"
 PERFORMANCE = ROOT / "docs" / "performance.md"
 RESULTS = ROOT / "docs" / "results.md"
 COLD = ROOT / "docs" / "bench_cold_cpu.json"
@@ -271,33 +273,51 @@ def cpu_training(train: dict) -> str:
 def cpu_bf16(translate: dict) -> str:
     """What bf16 buys for translation on the run's CPU against its default format (fp32)."""
     default = TRANSLATION_DEFAULT
-    fast = {cell: rows for cell, rows in translation_cells(translate, (default, "bf16"))}
+    cells = dict(translation_cells(translate, (default, "bf16")))
     lines = [
-        f"| config | search | batch | {default} (default): aiayn | compiled | bf16: aiayn | compiled | CTranslate2 bf16 | aiayn's best, bf16 / {default} |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| config | search | batch | {default} (default): aiayn | compiled | bf16: aiayn | compiled | "
+        f"aiayn's best, bf16 / {default} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for (config, dtype, search, batch), bf16 in fast.items():
+
+    def best(rows: dict[str, float]) -> float:
+        return max(rows["aiayn"], rows.get("aiayn compiled (store)", 0))
+
+    for (config, dtype, search, batch), bf16 in cells.items():
         if dtype != "bf16":
             continue
-        base = fast[(config, default, search, batch)]
-        ct2 = max((bf16[s] for s in bf16 if s.startswith("ctranslate2")), default=None)
-
-        def best(rows: dict[str, float]) -> float:
-            return max(rows["aiayn"], rows.get("aiayn compiled (store)", 0))
-
-        cells = [
+        base = cells[(config, default, search, batch)]
+        figures = [
             base["aiayn"],
             base.get("aiayn compiled (store)"),
             bf16["aiayn"],
             bf16.get("aiayn compiled (store)"),
-            ct2,
         ]
         lines.append(
             f"| {config} | {search.replace('beam', 'beam ')} | {batch} | "
-            + "".join(f"{v:.1f} | " if v else "- | " for v in cells)
+            + "".join(f"{v:.1f} | " if v else "- | " for v in figures)
             + f"{best(bf16) / best(base):.2f}x |"
         )
     lines += ["", f"{translate['machine']}, {translate['date']} (`{translate['command']}`)."]
+    return "\n".join(lines)
+
+
+def formats(record: dict) -> str:
+    """What each number format changes on a trained model against fp32."""
+    n, alone = record["sentences"], record["alone"]
+    lines = [
+        f"| dtype | BLEU | translations unlike fp32's (of {n:,}) | alone unlike in its batch (of {alone}) | decoding s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in record["results"]:
+        lines.append(
+            f"| {marked(r['dtype'], TRANSLATION_DEFAULT)} | {r['bleu']:.2f} | {r['differ_from_fp32']} | "
+            f"{r['alone_differs_from_batch']} | {r['decoding_s']:.1f} |"
+        )
+    lines += [
+        "",
+        f"`{record['model']}`, {record['search']}, eager; {record['machine']}, {record['date']} (`{record['command']}`).",
+    ]
     return "\n".join(lines)
 
 
@@ -375,6 +395,7 @@ def tables(page: Path = README) -> dict[str, str]:
         return {
             "cpu training": cpu_training(read(TRAIN)),
             "cpu bf16": cpu_bf16(read(BF16)),
+            "formats": formats(read(FORMATS)),
             "cold start": cold_start(cold, full=True),
             "opus-mt": opus(read(OPUS)),
         }

@@ -43,8 +43,8 @@ def dtype_flag(p: argparse.ArgumentParser) -> None:
         choices=typing.get_args(Dtype),
         default=DEFAULT_DTYPE,
         help="auto (default): fp32 on a CPU (exact: a sentence's translation does not depend on what shares "
-        "its batch), bf16 on CUDA; bf16: faster on a CPU with AMX for batches, slower for one sentence, and "
-        "changes some translations (docs/translation.md); int8: CPU; fp16: CUDA",
+        "its batch), bf16 on CUDA; bf16: faster with --compile on a CPU with AMX, and changes some "
+        "translations (docs/translation.md); int8: CPU; fp16: CUDA",
     )
 
 
