@@ -179,7 +179,7 @@ def training_rows(train: dict) -> list[tuple[str, str, dict[str, float]]]:
 
 def speed(train: dict, translate: dict) -> str:
     """aiayn against the peers on the same workload, in one run of each benchmark: training against the
-    best peer, in each format measured, the CPU's default marked; translation in the default format and
+    best peer, in the format the CPU takes by default; translation in the default format and
     int8 against CTranslate2 (the faster of its thread counts), ONNX Runtime and transformers' generate,
     where the run measured them (bf16's cells: docs/performance.md)."""
     lines = [
@@ -187,6 +187,8 @@ def speed(train: dict, translate: dict) -> str:
         "|---|---:|---|---:|",
     ]
     for config, dtype, rows in training_rows(train):
+        if dtype != train["defaults"][config]:  # (the other format: docs/performance.md)
+            continue
         peer = max((s for s in rows if not s.startswith("aiayn")), key=rows.get)
         lines.append(
             f"| `{config}` {marked(dtype, train['defaults'][config])}, target tokens/s | {rows['aiayn']:,.0f} | "

@@ -146,7 +146,7 @@ def train(
     """
     device = device or default_device()
     configure(device)
-    cfg, chosen = number_format(run, cfg, model_config, device)
+    cfg = number_format(run, cfg, model_config, device)
     with run.checking():  # before anything is written
         pairs, scaler = TrainingPairs.of(data, cfg.max_len), grad_scaler(cfg, device)
         check_positions(model_config, cfg, data)
@@ -157,7 +157,6 @@ def train(
     )
     sizes = {"pairs": len(pairs.keep), "too_long": pairs.too_long, "params": model.num_parameters()}
     run.log.record({"event": "data", **sizes}, echo=True)
-    run.log.say(f"number format: {cfg.dtype} ({chosen})")
     validation, ddp = Validation(data, device), ranks.wrap(model.train())
     with run:  # a run that fails before its first checkpoint leaves OUT as it found it
         with stop_signals() as signals:
@@ -195,22 +194,20 @@ def train(
     return finish(run, state, stop, final)
 
 
-def number_format(
-    run: Run, cfg: TrainConfig, model_config: ModelConfig, device: torch.device
-) -> tuple[TrainConfig, str]:
-    """cfg with its dtype resolved (train.json then records the format the run trains in), and why that
-    one: "auto" continues a resumed run in the format it trained in, and starts a new one in the format
+def number_format(run: Run, cfg: TrainConfig, model_config: ModelConfig, device: torch.device) -> TrainConfig:
+    """cfg with its dtype resolved, said on the console (train.json then records the format the run trains
+    in): "auto" continues a resumed run in the format it trained in, and starts a new one in the format
     precision.training_dtype measured faster for the model's width on this device."""
-    if cfg.dtype != "auto":
-        return cfg, "asked for"
-    if run.resuming:
-        saved = read_json(run.last_checkpoint() / TRAIN_CONFIG).get("dtype")
-        if saved not in (None, "auto"):
-            return replace(cfg, dtype=saved), f"auto: the format {run.last_checkpoint().name} trained in"
-    resolved = training_dtype("auto", device, model_config.d_model)
-    where = "CUDA" if device.type == "cuda" else f"CPU class {cpu_class()}"
-    why = f"auto: {where}, d_model {model_config.d_model}; --set dtype=... to choose"
-    return replace(cfg, dtype=resolved), why
+    dtype, why = cfg.dtype, "asked for"
+    if dtype == "auto" and run.resuming:
+        dtype = read_json(run.last_checkpoint() / TRAIN_CONFIG).get("dtype", "auto")
+        why = f"auto: the format {run.last_checkpoint().name} trained in"
+    if dtype == "auto":
+        dtype = training_dtype("auto", device, model_config.d_model)
+        where = "CUDA" if device.type == "cuda" else f"CPU class {cpu_class()}"
+        why = f"auto: {where}, d_model {model_config.d_model}; --set dtype=... to choose"
+    run.log.say(f"number format: {dtype} ({why})")
+    return replace(cfg, dtype=dtype)
 
 
 def starting_model(config: ModelConfig, seed: int, init: Mapping[str, Tensor] | None = None) -> Transformer:
