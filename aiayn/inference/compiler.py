@@ -65,7 +65,7 @@ def compiling(builds_at_once: bool = True) -> Iterator[None]:
     """Around a graph's compile: kernels by rule, a package's wrapper built without the part every wrapper
     shares, its two builds at once (unless the cores are shared with other compiling processes), and
     nothing on the console that a user cannot act on (errors still raise)."""
-    with _kernels_by_rule(), _builds(builds_at_once), _quiet(), _isas_by_flags():
+    with _kernels_by_rule(), _builds(builds_at_once), _quiet(), _isas_by_flags(), _cache_keyed_by_isa():
         yield
 
 
@@ -190,6 +190,25 @@ def _isas_by_flags() -> Iterator[None]:
         with config.patch({"cpp.vec_isa_ok": True}):
             yield
     else:
+        yield
+
+
+@contextlib.contextmanager
+def _cache_keyed_by_isa() -> Iterator[None]:
+    """Inductor's cache of compiled graphs keys a graph by its code and inductor's settings, not by the
+    vector instructions its kernels were written for (torch 2.13): a graph compiled where ATen's kernels
+    are AVX-512 was served to a process capped at AVX2 (ATEN_CPU_CAPABILITY=avx2), whose build of the
+    same kernel source has vectors of half the width, and decoded other tokens than eager. Naming the
+    vector width inductor picks as its setting (cpp.simdlen, which picks that same instruction set)
+    puts it in the key."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa() if config.cpp.simdlen is None else None
+    if not isa:  # no vector instructions (or a width already set): nothing to key
+        yield
+        return
+    with config.patch({"cpp.simdlen": isa.bit_width()}):
         yield
 
 

@@ -1,6 +1,10 @@
 """The rule compiled graphs choose each matrix product's kernel by (compiler.py). (That compiled graphs
 follow it, time nothing and print nothing: test_compiled_store.py.)"""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from aiayn.inference import compiler
@@ -89,3 +93,41 @@ def test_the_compiler_is_asked_for_the_instruction_sets_instead_of_inductors_pro
     monkeypatch.setattr(compiler, "_isas_hold", None)
     with config.patch({"cpp.cxx": (str(old),)}), compiler._isas_by_flags():
         assert config.cpp.vec_isa_ok is None
+
+
+CACHED = """
+import torch
+from aiayn.config import preset
+from aiayn.inference.compiled import CompiledDecoder
+from aiayn.inference.search import greedy_candidates
+from aiayn.model import Transformer
+
+torch.manual_seed(0)
+decoder = CompiledDecoder(Transformer(preset("tiny", vocab_size=60)).eval(), max_autotune=False)
+for rows in (5, 3):  # the sentences a dynamic size of the graph
+    logits, log_prob = torch.randn(rows, 60) * 3, torch.randn(rows)
+    limit, length = torch.full((rows,), 20), torch.tensor([3])
+    with torch.inference_mode():
+        want = greedy_candidates(logits, log_prob, limit, length)
+        got = decoder.greedy_candidates(logits, log_prob, limit, length)
+    assert torch.equal(got.token, want.token), (got.token, want.token)
+    assert torch.allclose(got.log_prob, want.log_prob, atol=1e-5), (got.log_prob, want.log_prob)
+print(torch.backends.cpu.get_cpu_capability())
+"""
+
+
+def test_a_graph_cached_for_other_vector_instructions_is_not_served(tmp_path):
+    """Inductor's cache of compiled graphs, shared by a process of the CPU's own kernels and then one capped
+    at AVX2 (ATEN_CPU_CAPABILITY=avx2): the capped one compiles its own graph and gets eager's numbers. (On
+    a CPU with AVX-512, served the first one's graph, it built that graph's AVX-512 kernel source with
+    AVX2's vectors of half the width: other tokens, other log-probabilities.)"""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    capabilities = []
+    for cap in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        out = subprocess.run(
+            [sys.executable, "-c", CACHED], env={**env, **cap}, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        capabilities.append(out.stdout.split()[-1])
+    assert capabilities[1] == "AVX2"
