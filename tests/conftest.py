@@ -17,6 +17,7 @@ import torch
 from aiayn.cli.main import main
 from aiayn.config import SearchConfig, preset
 from aiayn.data.prepare import MANIFEST, open_prepared, prepare_corpus
+from aiayn.data.synthetic import generate
 from aiayn.inference.search import FIRST_OUTPUT, search
 from aiayn.model import Transformer
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -196,6 +197,42 @@ def word_tokenizer(src_size: int, tgt_size: int) -> Tokenizer:
                                 min_frequency=1, joint=joint)  # fmt: skip
     assert (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) == (src_size, tgt_size)
     return tokenizer
+
+
+# The synthetic task's sentences, and lines to translate of them: long and short mixed, empty lines
+# among them (not in order of length)
+TASK_SRC, TASK_TGT = generate(120, seed=2)
+MIXED = [
+    TASK_SRC[0],
+    "",
+    " ".join(TASK_SRC[1:4]),
+    "Dogs run.",
+    TASK_SRC[4],
+    " ".join(TASK_SRC[5:9]),
+    "A cat.",
+    "",
+    TASK_SRC[9],
+]
+
+
+def one_layer_model(tokenizer: Tokenizer) -> Transformer:
+    """A random model of one layer a side for the tokenizer (the compiling tests' graphs compile in about
+    half the time of two layers)."""
+    torch.manual_seed(0)
+    config = preset("tiny", vocab_size=tokenizer.src_vocab_size, d_model=32, d_ff=64, dropout=0.1,
+                    n_encoder_layers=1, n_decoder_layers=1)  # fmt: skip
+    return Transformer(config).eval()
+
+
+@pytest.fixture(scope="module")
+def task_tokenizer() -> Tokenizer:
+    """A vocabulary of the synthetic task's sentences (TASK_SRC, TASK_TGT)."""
+    return Tokenizer.train(TASK_SRC, TASK_TGT, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def task_model(task_tokenizer) -> Transformer:
+    return one_layer_model(task_tokenizer)
 
 
 def naive_greedy(model: Transformer, ids: list[int], max_len: int) -> list[int]:

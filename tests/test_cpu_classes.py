@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EOS_HEAVY_V, eos_heavy_model, naive_greedy, run_train, word_tokenizer
+from conftest import (
+    EOS_HEAVY_V,
+    MIXED,
+    eos_heavy_model,
+    naive_greedy,
+    run_train,
+    word_tokenizer,
+)
 
 from aiayn import precision
 from aiayn.config import PRESETS, SearchConfig, TrainConfig, preset
@@ -126,21 +133,7 @@ def test_the_amx_training_default_is_the_faster_format_measured_per_preset():
 
 # --- Each number format's promise, on this CPU, by class ---------------------------------------------
 
-SRC, TGT = generate(120, seed=2)
-INPUTS = [SRC[0], "", " ".join(SRC[1:4]), "Dogs run.", SRC[4], " ".join(SRC[5:9]), "A cat.", "", SRC[9]]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.train(SRC, TGT, vocab_size=300)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer) -> Transformer:
-    torch.manual_seed(0)
-    config = preset("tiny", vocab_size=tokenizer.src_vocab_size, d_model=32, d_ff=64, dropout=0.1,
-                    n_encoder_layers=1, n_decoder_layers=1)  # fmt: skip
-    return Transformer(config).eval()
+INPUTS = MIXED
 
 
 def one_output_per_input_in_order(translator: Translator) -> list[str]:
@@ -152,13 +145,15 @@ def one_output_per_input_in_order(translator: Translator) -> list[str]:
     return outputs
 
 
-def test_the_default_of_each_class_is_exact_and_batch_invariant(cpu, model, tokenizer):
+def test_the_default_of_each_class_is_exact_and_batch_invariant(cpu, task_model, task_tokenizer):
     """No dtype given, as a user translates: greedy == the naive decoder, and beam 4 gives every
     sentence the same translation alone as among the others."""
-    translator = Translator(model, tokenizer, SearchConfig(beam_size=4))
-    ids = tokenizer.encode_src(INPUTS)
+    translator = Translator(task_model, task_tokenizer, SearchConfig(beam_size=4))
+    ids = task_tokenizer.encode_src(INPUTS)
     for source, hyps in zip(ids, translator.translate_ids(ids, SearchConfig(beam_size=1))):
-        assert hyps[0].tokens == (naive_greedy(model, source, len(source) + 50) if len(source) > 1 else [])
+        assert hyps[0].tokens == (
+            naive_greedy(task_model, source, len(source) + 50) if len(source) > 1 else []
+        )
     together = one_output_per_input_in_order(translator)
     assert together == [translator.translate([text])[0] for text in INPUTS]
 
@@ -198,30 +193,32 @@ def test_the_default_of_each_class_gives_transformers_tokens_for_an_opus_mt_shap
     assert [hyps[0].tokens for hyps in got] == want
 
 
-def test_int8_of_each_class_keeps_its_lines_and_stays_close_to_fp32(cpu, model, tokenizer):
+def test_int8_of_each_class_keeps_its_lines_and_stays_close_to_fp32(cpu, task_model, task_tokenizer):
     """int8 by the class's routes (integer products where VNNI is faked on a CPU without it run PyTorch's
     plain loop: slower, the same numbers): one output per input in order; log-probabilities near fp32's."""
-    int8 = for_inference(model, "int8")
+    int8 = for_inference(task_model, "int8")
     assert {str(m.routes) for m in int8.modules() if isinstance(m, Int8Linear)} == {
         str(INT8_ROUTES["vnni" if HAS_VNNI[cpu] else "avx2"])
     }
-    one_output_per_input_in_order(Translator(int8, tokenizer, SearchConfig(beam_size=2), dtype="int8"))
-    src = torch.tensor([tokenizer.encode_src(INPUTS[:1])[0]])
+    one_output_per_input_in_order(Translator(int8, task_tokenizer, SearchConfig(beam_size=2), dtype="int8"))
+    src = torch.tensor([task_tokenizer.encode_src(INPUTS[:1])[0]])
     tgt_in = torch.tensor([[BOS_ID, 5, 6, 7]])  # 4 rows: int8 weights on every class
     with torch.no_grad():
-        exact, approx = model(src, tgt_in).log_softmax(-1), int8(src, tgt_in).log_softmax(-1)
+        exact, approx = task_model(src, tgt_in).log_softmax(-1), int8(src, tgt_in).log_softmax(-1)
     assert 0 < (exact - approx).abs().max() < 0.1
 
 
-def test_bf16_runs_here_with_its_lines_and_close_to_fp32(model, tokenizer):
+def test_bf16_runs_here_with_its_lines_and_close_to_fp32(task_model, task_tokenizer):
     """bf16 autocast, native or emulated: one output per input in order; log-probabilities near fp32's."""
-    one_output_per_input_in_order(Translator(model, tokenizer, SearchConfig(beam_size=2), dtype="bf16"))
-    src = torch.tensor([tokenizer.encode_src(INPUTS[:1])[0]])
+    one_output_per_input_in_order(
+        Translator(task_model, task_tokenizer, SearchConfig(beam_size=2), dtype="bf16")
+    )
+    src = torch.tensor([task_tokenizer.encode_src(INPUTS[:1])[0]])
     tgt_in = torch.tensor([[BOS_ID, 5, 6, 7]])
     with torch.no_grad(), precision.autocast(CPU, "bf16"):
-        approx = model(src, tgt_in).float().log_softmax(-1)
+        approx = task_model(src, tgt_in).float().log_softmax(-1)
     with torch.no_grad():
-        exact = model(src, tgt_in).log_softmax(-1)
+        exact = task_model(src, tgt_in).log_softmax(-1)
     assert 0 < (exact - approx).abs().max() < 0.1
 
 

@@ -4,10 +4,9 @@ vocabulary checks."""
 
 import pytest
 import torch
-from conftest import naive_greedy
+from conftest import MIXED, TASK_SRC, TASK_TGT, naive_greedy
 
 from aiayn.config import SearchConfig, preset
-from aiayn.data.synthetic import generate
 from aiayn.inference import warmup
 from aiayn.inference.compiled import shared_class
 from aiayn.inference.translate import Translator
@@ -16,23 +15,17 @@ from aiayn.model import Transformer
 from aiayn.precision import Int8Linear, for_inference
 from aiayn.tokenizer import BOS_ID, Tokenizer
 
-SRC, TGT = generate(120, seed=2)
-# Long and short sentences mixed, an empty line among them (the order is not sorted by length).
-INPUTS = [SRC[0], "", " ".join(SRC[1:4]), "Dogs run.", SRC[4], " ".join(SRC[5:9]), "A cat.", "", SRC[9]]
+INPUTS = MIXED
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.train(SRC, TGT, vocab_size=300)
+def tokenizer(task_tokenizer) -> Tokenizer:
+    return task_tokenizer
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer) -> Transformer:
-    torch.manual_seed(0)
-    # one layer a side: the compiling test's graphs compile in about half the time of two layers
-    config = preset("tiny", vocab_size=tokenizer.src_vocab_size, d_model=32, d_ff=64, dropout=0.1,
-                    n_encoder_layers=1, n_decoder_layers=1)  # fmt: skip
-    return Transformer(config).eval()
+def model(task_model) -> Transformer:
+    return task_model
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +127,7 @@ def test_int8_needs_a_model_prepared_for_it(model, tokenizer):
 
 
 def test_translator_refuses_a_tokenizer_of_another_vocabulary(model, tokenizer):
-    other = Tokenizer.train(SRC, TGT, vocab_size=280)
+    other = Tokenizer.train(TASK_SRC, TASK_TGT, vocab_size=280)
     with pytest.raises(ValueError, match=r"tokenizer vocabulary sizes \(280, 280\) differ"):
         Translator(model, other)
     target_differs = preset(
