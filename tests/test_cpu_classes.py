@@ -20,8 +20,10 @@ import torch
 from conftest import (
     EOS_HEAVY_V,
     MIXED,
+    assert_one_line_error,
     eos_heavy_model,
     naive_greedy,
+    run_cli,
     run_train,
     word_tokenizer,
 )
@@ -88,6 +90,9 @@ def test_the_class_a_variable_names_wins_over_the_probes_and_a_wrong_name_is_ref
     monkeypatch.setenv(CPU_CLASS_VARIABLE, "avx1024")
     with pytest.raises(ValueError, match=f"{CPU_CLASS_VARIABLE}='avx1024'.*avx2, avx512"):
         cpu_class()
+    # a command refuses it in one line before any work (even one, like translate, whose defaults need no class)
+    code, _, stderr = run_cli(["translate", "no-such-model"])
+    assert_one_line_error(code, stderr, f"{CPU_CLASS_VARIABLE}='avx1024'")
 
 
 def test_each_class_takes_its_int8_routes_and_compiled_kernels(cpu):

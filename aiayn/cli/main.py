@@ -12,6 +12,7 @@ from types import MappingProxyType
 
 from aiayn import __version__
 from aiayn.cli import models, serve, train, translate
+from aiayn.precision import cpu_class
 from aiayn.training.distributed import env_rank
 
 DESCRIPTION = """\
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.argv = argv
     try:
+        cpu_class()  # a CPU class named by AIAYN_CPU_CLASS that is none: refused before any work
         return args.func(args) or 0
     except (ValueError, OSError) as e:
         # ValueError: the library's word for a user's mistake. OSError: the system refused a file
