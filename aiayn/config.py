@@ -206,6 +206,10 @@ class SearchConfig:
     max_len_a: float = 1.0  # maximum output length = a * input length + b (§6.1: input + 50)
     max_len_b: int = 50
     n_best: int = 1
+    # when a sentence's beam search is done: "beam" once beam_size of its hypotheses have finished
+    # (fairseq, CTranslate2, transformers' early_stopping=True); "exact" once no live hypothesis can beat
+    # its n_best-th finished one (tensor2tensor's bound, what the paper's code did; see docs/deviations.md)
+    stopping: Literal["beam", "exact"] = "beam"
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -235,7 +239,7 @@ class SearchConfig:
         """How a figure was searched: "greedy", or "beam 4, alpha 0.6, gnmt penalty"."""
         if self.beam_size == 1:
             return "greedy"
-        return f"beam {self.beam_size}, alpha {self.alpha}, {self.length_penalty} penalty"
+        return f"beam {self.beam_size}, alpha {self.alpha}, {self.length_penalty} penalty, {self.stopping} stopping"
 
 
 Compile = Literal[False, True, "stored"]  # InferenceOptions.compile
@@ -250,7 +254,7 @@ class InferenceOptions:
     dtype: Dtype = DEFAULT_DTYPE  # auto: fp32 on a CPU, bf16 on CUDA; int8: CPU; fp16: CUDA
     # decode with a compiled step (inference/compiled.py), compiling the graphs a batch needs the first time
     # (True); or only with the graphs an earlier compile left in the store, the other batches eagerly
-    # ("stored": the command line's default, which never compiles)
+    # ("stored", which never compiles); eagerly (False: the command line's default, `serve`'s is True)
     compile: Compile = False
     shortlist: bool = False  # the output layer restricted to the model directory's vmap.txt
     threads: int | None = None  # the server's model worker: PyTorch (or CTranslate2) threads

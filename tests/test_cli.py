@@ -450,14 +450,14 @@ def test_translate_starts_from_the_models_search_json_and_flags_override_it(work
     assert outputs["plain"] == outputs["explicit"]
 
 
-# --- Compiled decoding by default, where the store holds the graphs -----------------------------------
+# --- Eager decoding by default; compiled with --compile ------------------------------------------------
 
 
 @pytest.fixture
 def decoders(monkeypatch):
     """The compiled decoders translators make, recorded as (kind, decoder): "compile" for --compile's,
-    "stored" for the default's. Neither compiles anything: both are StoredDecoders, for which a graph the
-    store lacks raises NotStored, and the translator decodes that batch eagerly."""
+    "stored" for compile="stored"'s. Neither compiles anything: both are StoredDecoders, for which a graph
+    the store lacks raises NotStored, and the translator decodes that batch eagerly."""
     from aiayn.inference import translate
     from aiayn.inference.compiled import StoredDecoder
 
@@ -478,43 +478,12 @@ def decoders(monkeypatch):
     return made
 
 
-def hints(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("aiayn: decoding eagerly;")]
-
-
-def test_translate_without_stored_graphs_decodes_eagerly_and_says_once_how_to_have_them(
-    workdir, tmp_path, monkeypatch, decoders
+def test_translate_decodes_eagerly_by_default_even_where_the_store_holds_graphs(
+    workdir, monkeypatch, decoders
 ):
-    """A store without the model's graphs: eager decoding, and a line on stderr saying how to have the
-    compiled path, once for this model and store (a script translating file after file sees it once);
-    --quiet hides it, --no-compile never needs it. AIAYN_COMPILE_STORE=none: no store to remember it in,
-    and the line says how to have one."""
-    root, model, _, _ = workdir
-    store = tmp_path / "store"
-    monkeypatch.setenv("AIAYN_COMPILE_STORE", str(store))
-    argv = ["translate", model, "--input", root / "test.en"]
-    code, eager, stderr = run([*argv, "--no-compile"])
-    assert code == 0 and hints(stderr) == [], stderr
-    code, quiet, stderr = run([*argv, "--quiet"])
-    assert code == 0 and quiet == eager and hints(stderr) == []
-    code, first, stderr = run(argv)
-    assert code == 0 and first == eager
-    [hint] = hints(stderr)
-    assert "--compile" in hint and str(store) in hint and "1.2-4x" in hint
-    code, second, stderr = run(argv)
-    assert code == 0 and second == eager and hints(stderr) == []  # said once
-    assert decoders == []  # nothing was handed to the compiler
-    monkeypatch.setenv("AIAYN_COMPILE_STORE", "none")
-    for _ in range(2):
-        code, output, stderr = run(argv)
-        assert code == 0 and output == eager
-        [hint] = hints(stderr)
-        assert "AIAYN_COMPILE_STORE=none" in hint and "--compile" in hint
-
-
-def test_translate_decodes_with_the_stored_graphs_by_default(workdir, monkeypatch, decoders):
-    """A store holding the model's graphs (`stored`, here told so): translate and evaluate decode with
-    them by default, saying nothing; --no-compile decodes eagerly; --compile still compiles."""
+    """A store holding the model's graphs (`stored`, here told so): translate and evaluate still decode
+    eagerly by default, saying nothing of it (a process that translates once spends longer loading graphs
+    than they save); --compile decodes with a compiled decoder, giving eager's output."""
     from aiayn.inference import translate
 
     root, model, _, _ = workdir
@@ -523,13 +492,12 @@ def test_translate_decodes_with_the_stored_graphs_by_default(workdir, monkeypatc
     code, eager, _ = run([*argv, "--no-compile"])
     assert code == 0 and decoders == []
     code, output, stderr = run(argv)
-    assert code == 0 and output == eager and hints(stderr) == []
-    [(kind, decoder)] = decoders
-    assert kind == "stored" and decoder.compile_seconds == 0.0
+    assert code == 0 and output == eager and decoders == []
+    assert "compile" not in stderr, stderr
     code, output, _ = run([*argv, "--compile"])
-    assert code == 0 and output == eager and [kind for kind, _ in decoders] == ["stored", "compile"]
+    assert code == 0 and output == eager and [kind for kind, _ in decoders] == ["compile"]
     code, _, _ = run(["evaluate", model, "--src", root / "test.en", "--ref", root / "test.xx", "--quiet"])
-    assert code == 0 and [kind for kind, _ in decoders] == ["stored", "compile", "stored"]
+    assert code == 0 and [kind for kind, _ in decoders] == ["compile"]
 
 
 # --- Fine-tuning ------------------------------------------------------------------------------------

@@ -88,8 +88,16 @@ def search_flags(p: argparse.ArgumentParser) -> None:
         choices=["gnmt", "average"],
         help="gnmt (paper) or average (fairseq/HF); default: the model's, else gnmt",
     )
+    p.add_argument(
+        "--stopping",
+        choices=["beam", "exact"],
+        help="a beam search sentence is done once beam-size hypotheses finished (beam: fairseq, CTranslate2) "
+        "or once none live can win (exact: the paper's code, more steps); default: the model's, else beam",
+    )
     dtype_flag(p)
-    compile_flag(p, "stored", "the graphs an earlier --compile stored, eagerly where there are none")
+    # eager by default: a process that translates once spends longer loading stored graphs than they save
+    # (benchmarks/bench_real.py); a server, which loads them once for many requests, compiles by default
+    compile_flag(p, False, "eager decoding")
     device_flag(p)
 
 
@@ -109,7 +117,12 @@ def read_model(args: argparse.Namespace) -> ModelDir:
 def search_config_from(args: argparse.Namespace, model: ModelDir, n_best: int = 1) -> SearchConfig:
     """The model's own search (its search.json, else §6.1's), with the flags the user gave over it."""
     base = asdict(model.search)
-    fields = {"beam_size": args.beam_size, "alpha": args.alpha, "length_penalty": args.length_penalty}
+    fields = {
+        "beam_size": args.beam_size,
+        "alpha": args.alpha,
+        "length_penalty": args.length_penalty,
+        "stopping": args.stopping,
+    }
     fields = {**base, **{k: v for k, v in fields.items() if v is not None}}
     return from_dict(SearchConfig, fields, where="search options").with_n_best(n_best)
 

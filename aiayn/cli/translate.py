@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -47,7 +46,6 @@ def cmd_translate(args: argparse.Namespace) -> None:
     if args.output is not None:
         check_writable_file(args.output)
     translator = load_translator(args, model, search_config)
-    hint_compile(args, translator)
     lines = read_lines(source, args.encoding_errors)
     compile_ahead(args, translator, lines, args.n_best)
     start = time.perf_counter()
@@ -61,7 +59,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
         write_output(args.output, as_lines(output))
     else:
         sys.stdout.write(as_lines(output))
-    say(f"translated {len(lines)} lines in {seconds:.1f} s ({len(lines) / max(seconds, 1e-9):.1f} lines/s)")
+    say(f"translated {len(lines)} lines in {seconds:.2f} s ({len(lines) / max(seconds, 1e-9):.1f} lines/s)")
 
 
 def compile_ahead(args: argparse.Namespace, translator: Translator, lines: list[str], n_best: int) -> None:
@@ -74,41 +72,6 @@ def compile_ahead(args: argparse.Namespace, translator: Translator, lines: list[
     translator.compile_ahead(
         translator.tokenizer.encode_src(lines), config, (lambda line: None) if quiet else say
     )
-
-
-COMPILE_HINTED = "compile-hint.txt"  # in the store: the model directories told of --compile, a line each
-
-
-def hint_compile(args: argparse.Namespace, translator: Translator) -> None:
-    """Neither --compile nor --no-compile, and no graphs of this model in the store, so it decodes eagerly:
-    say on stderr, once per model directory and store, that compiled decoding is faster and how to have
-    it. Once, not once a process: scripts translate file after file, and the same line on each would
-    bury what is new. The store remembers (COMPILE_HINTED), being where --compile would put the graphs."""
-    from aiayn.inference.compiled import default_store
-
-    if args.compile != "stored" or translator.compiled is not None or args.quiet:
-        return
-    store = default_store()
-    if store is None:  # nowhere to remember it either
-        say(
-            "aiayn: decoding eagerly; compiled decoding is 1.2-4x faster, from a store of compiled graphs, "
-            "which AIAYN_COMPILE_STORE=none turns off: set it to a directory (or unset it: "
-            "~/.cache/aiayn/compiled) and run this once with --compile; later runs use the graphs by default"
-        )
-        return
-    model = str(Path(args.model).resolve())
-    told = store / COMPILE_HINTED
-    if told.is_file() and model in told.read_text(encoding="utf-8").splitlines():
-        return
-    say(
-        "aiayn: decoding eagerly; compiled decoding is 1.2-4x faster: run this once with --compile, which "
-        f"compiles its graphs (minutes on a 2-core CPU) into {store}, and later runs use them by default "
-        "(said once for this model)"
-    )
-    with contextlib.suppress(OSError):  # a store that cannot be written: said again next time
-        store.mkdir(parents=True, exist_ok=True)
-        with told.open("a", encoding="utf-8") as f:
-            f.write(model + "\n")
 
 
 def add_evaluate(sub: Any) -> None:
@@ -142,7 +105,6 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     if len(sources) != len(references):
         raise ValueError(f"{src} has {len(sources)} lines but {ref} has {len(references)}")
     translator = load_translator(args, model, search_config)
-    hint_compile(args, translator)
     compile_ahead(args, translator, sources, 1)
     result = evaluate(translator, sources, references, not args.quiet, args.lowercase, args.tokenize)
     hypotheses = result.pop("hypotheses")

@@ -44,7 +44,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
-from torch.export import Dim
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn import precision
@@ -404,15 +403,31 @@ class CompiledDecoder(Decoder):
         return self._call(key, tgt_in, *cache.arguments())[:live]
 
     def beam_candidates(
-        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+        self,
+        logits: Tensor,
+        live: BeamLive,
+        length: Tensor,
+        n_best: int,
+        alpha: float,
+        kind: str,
+        stopping: str,
     ) -> BeamStep:
         """search.beam_candidates as one graph for one sentence and one for any number of them (B and V
         dynamic), per beam, n_best and penalty: at one sentence of `small`, eager, its 30-odd operators
         took half as long as the compiled step (benchmarks/bench_translate.py)."""
         if logits.size(0) > self.max_sentences:
-            return beam_candidates(logits, live, length, n_best, alpha, kind)
-        key = ("beam", min(logits.size(0), 2), logits.size(1), n_best, alpha, kind, str(logits.dtype))
-        args = (logits, *live, length, n_best, alpha, kind)
+            return beam_candidates(logits, live, length, n_best, alpha, kind, stopping)
+        key = (
+            "beam",
+            min(logits.size(0), 2),
+            logits.size(1),
+            n_best,
+            alpha,
+            kind,
+            stopping,
+            str(logits.dtype),
+        )
+        args = (logits, *live, length, n_best, alpha, kind, stopping)
         return BeamStep(*self._search_work(key, 2, (logits, *live), args))
 
     def greedy_candidates(
@@ -628,6 +643,8 @@ def _shapes(key: tuple, args: tuple) -> Any:
     were made (_dynamic) are dynamic; a batch's sentences B are one size, bounded to the key's row class,
     and its rows R are N times that, N = R / B the rows a sentence (_batch). (The arguments that are not
     tensors are constants of the graph.)"""
+    from torch.export import Dim  # here: slow to import, and decoding from the store never needs it
+
     named: dict[str, Any] = {}
     if key[1] in SENTENCES:  # the memory and step graphs of a few or many sentences
         least, most = SENTENCES[key[1]]
@@ -700,11 +717,12 @@ def _beam_work(
     n_best: int,
     alpha: float,
     kind: str,
+    stopping: str,
 ) -> tuple[Tensor, ...]:
     """search.beam_candidates with its named inputs and outputs flat: a graph's arguments and results are
     tensors and constants (an exported package would otherwise have to know search's types by name)."""
     live = BeamLive(scores, limit, limit_penalty, best_finished, n_finished)
-    return tuple(beam_candidates(logits, live, length, n_best, alpha, kind))
+    return tuple(beam_candidates(logits, live, length, n_best, alpha, kind, stopping))
 
 
 def _greedy_work(logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor) -> tuple[Tensor, ...]:

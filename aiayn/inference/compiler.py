@@ -32,7 +32,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import sympy
 import torch
 
 from aiayn.precision import kernels, rows_traced
@@ -73,6 +72,7 @@ def choose(choices: list[Any]) -> list[Any]:
     """Inductor's candidate kernels of one matrix product -> the one TEMPLATE_ROWS names for its rows (a
     product with only one kind of candidate keeps them: there is nothing to choose). Rows that are a
     dynamic size count as the rows the graph is traced for (precision.traced_rows), or as many."""
+    import sympy  # here, not at the top: a translation that compiles nothing never imports it (slow)
     from torch._inductor.select_algorithm import ExternKernelCaller
 
     # the library's calls, and inductor's own kernels: C++ templates on a CPU (some wrapped in a caller

@@ -104,7 +104,14 @@ class Decoder(ABC):
 
     @abstractmethod
     def beam_candidates(
-        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+        self,
+        logits: Tensor,
+        live: BeamLive,
+        length: Tensor,
+        n_best: int,
+        alpha: float,
+        kind: str,
+        stopping: str,
     ) -> BeamStep:
         """search.beam_candidates, or what computes the same."""
 
@@ -130,9 +137,16 @@ class EagerDecoder(Decoder):
         return greedy_candidates(logits, log_prob, limit, length)
 
     def beam_candidates(
-        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+        self,
+        logits: Tensor,
+        live: BeamLive,
+        length: Tensor,
+        n_best: int,
+        alpha: float,
+        kind: str,
+        stopping: str,
     ) -> BeamStep:
-        return beam_candidates(logits, live, length, n_best, alpha, kind)
+        return beam_candidates(logits, live, length, n_best, alpha, kind, stopping)
 
 
 class WrappedDecoder(Decoder):
@@ -157,9 +171,16 @@ class WrappedDecoder(Decoder):
         return self.decoder.greedy_candidates(logits, log_prob, limit, length)
 
     def beam_candidates(
-        self, logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+        self,
+        logits: Tensor,
+        live: BeamLive,
+        length: Tensor,
+        n_best: int,
+        alpha: float,
+        kind: str,
+        stopping: str,
     ) -> BeamStep:
-        return self.decoder.beam_candidates(logits, live, length, n_best, alpha, kind)
+        return self.decoder.beam_candidates(logits, live, length, n_best, alpha, kind, stopping)
 
 
 def as_decoder(model: Seq2Seq | Decoder) -> Decoder:
@@ -330,10 +351,13 @@ def beam_search(
     ending in EOS is finished if it ranks among the N best (as fairseq: then beam 1 follows greedy);
     the N best others stay live. At its maximum length every one of the N best is finished.
 
-    A sentence is done when it has n_best finished hypotheses and no live one can beat the n_best-th
-    best of them: continuing only adds log-probabilities <= 0, and lp grows with length up to
-    lp(max_len), so best live log-prob / lp(max_len) bounds every future score. This is exact
-    for the result (stopping later would return the same n_best), unlike stopping at N finished.
+    When a sentence is done is config.stopping. "beam" (the default): once N of its hypotheses have
+    finished, as fairseq and CTranslate2 stop. "exact": once it has n_best finished hypotheses and no
+    live one can beat the n_best-th best of them: continuing only adds log-probabilities <= 0, and lp
+    grows with length up to lp(max_len), so best live log-prob / lp(max_len) bounds every future score
+    (tensor2tensor's bound): stopping later would return the same n_best. The bound is loose (max_len
+    is the input length + 50), so "exact" runs many more steps for rarely another result
+    (docs/deviations.md).
 
     max_len: override the SearchConfig lengths (an int or a (B,) tensor).
 
@@ -345,7 +369,7 @@ def beam_search(
     limit = _limits(max_len, src)  # (B,)
     eos, bos = EOS_ID, BOS_ID
     N, n_best = config.beam_size, config.n_best
-    alpha, kind = config.alpha, config.length_penalty
+    alpha, kind, stopping = config.alpha, config.length_penalty, config.stopping
     B, device = src.size(0), src.device
     if B == 0:
         return []
@@ -372,7 +396,9 @@ def beam_search(
     for _ in range(T):
         B = state.rows.numel()
         logits = model.decode(last, None, cache)[:, -1]  # (B*N, V); the cache holds what it needs of memory
-        step = model.beam_candidates(logits.view(B, N, -1), state.live(), length, n_best, alpha, kind)
+        step = model.beam_candidates(
+            logits.view(B, N, -1), state.live(), length, n_best, alpha, kind, stopping
+        )
         state.best_finished, state.n_finished, state.scores = step.best_finished, step.n_finished, step.scores
         any_final, any_done = step.flags.tolist()  # the step's one sync
         length += 1
@@ -396,13 +422,14 @@ def beam_search(
 
 
 def beam_candidates(
-    logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str
+    logits: Tensor, live: BeamLive, length: Tensor, n_best: int, alpha: float, kind: str, stopping: str
 ) -> BeamStep:
     """The tensor work of one beam step, with no sync: what beam_search does between the decoder's logits
     and the Python that collects finished hypotheses (a compiled decoder runs it as one graph).
 
     logits (B, N, V) of the live hypotheses; live: their scores and the sentences' limits and finished
-    hypotheses (BeamLive); length (1,) = t + 1, the length every candidate has. -> BeamStep.
+    hypotheses (BeamLive); length (1,) = t + 1, the length every candidate has; stopping: when a sentence
+    is done (SearchConfig.stopping). -> BeamStep.
     """
     scores, limit, limit_penalty, best_finished, n_finished = live
     B, N, V = logits.shape
@@ -430,9 +457,12 @@ def beam_candidates(
     live_parent = parent.gather(1, live)  # (B, N)
     live_token = token.gather(1, live)  # (B, N)
 
-    bound = scores[:, 0] / limit_penalty  # (B,)
-    worst = best_finished[:, -1]  # (B,) the n_best-th best finished score
-    done = at_limit | ((n_finished >= n_best) & (bound <= worst))  # (B,)
+    if stopping == "beam":  # N finished (fairseq, CTranslate2): n_best <= N, so they are among them
+        done = at_limit | (n_finished >= N)  # (B,)
+    else:  # exact: the best live hypothesis cannot beat the n_best-th best finished one
+        bound = scores[:, 0] / limit_penalty  # (B,)
+        worst = best_finished[:, -1]  # (B,)
+        done = at_limit | ((n_finished >= n_best) & (bound <= worst))  # (B,)
     flags = torch.stack([final.any(), done.any()])  # (2,)
     return BeamStep(
         top,

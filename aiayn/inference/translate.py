@@ -93,7 +93,7 @@ class Translator:
         compile=True decodes with a compiled step (compiled.py): the first batch of each row class compiles
         its graphs, or loads what an earlier process compiled from the store (compiled.default_store), and
         compile_ahead / compile_in_background compile them beforehand in worker processes; compile="stored"
-        (the command line's default) only loads, and decodes eagerly where the store has no graphs;
+        only loads, and decodes eagerly where the store has no graphs;
         shortlist restricts the output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
         if isinstance(overrides.get("device"), torch.device):
             overrides["device"] = str(overrides["device"])

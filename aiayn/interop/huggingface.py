@@ -282,8 +282,9 @@ def check_logits(model: Transformer, hf, tolerance: float = CHECK_TOLERANCE) -> 
 def generation_config(search: SearchConfig, hf_cfg):
     """transformers' GenerationConfig for the model's own search (search.json). Its length penalty is
     score / |Y|^alpha, |Y| counting EOS and not the start token: aiayn's "average"; the paper's GNMT
-    penalty has no setting there (warned about by the export). early_stopping "never" is aiayn's rule:
-    a beam search ends when no live hypothesis can still win. transformers takes one output limit per
+    penalty has no setting there (warned about by the export). early_stopping is aiayn's stopping: True
+    ends a beam search at beam-size finished hypotheses ("beam"), "never" when no live one can still win
+    ("exact"). transformers takes one output limit per
     call (max_new_tokens), where aiayn's is per sentence (a * source tokens + b)."""
     import transformers
 
@@ -291,7 +292,7 @@ def generation_config(search: SearchConfig, hf_cfg):
         num_beams=search.beam_size,
         num_return_sequences=1,
         length_penalty=search.alpha if search.beam_size > 1 else 1.0,
-        early_stopping="never" if search.beam_size > 1 else False,
+        early_stopping=(True if search.stopping == "beam" else "never") if search.beam_size > 1 else False,
         do_sample=False,
         max_length=hf_cfg.max_position_embeddings,
         bos_token_id=BOS_ID,
@@ -625,10 +626,14 @@ def check_imported(
 
 def generation_search(generation) -> SearchConfig:
     """aiayn's search for a transformers GenerationConfig: its beams and its length penalty, which divides by
-    |Y|^alpha (aiayn's "average"); the output limit stays aiayn's per-sentence one (input + 50, §6.1), as
-    transformers' max_length is one cap for every call."""
+    |Y|^alpha (aiayn's "average"), and its stopping: "never" is aiayn's "exact", any other (True, or the
+    heuristic of False, which aiayn has not) "beam"; the output limit stays aiayn's per-sentence one (input
+    + 50, §6.1), as transformers' max_length is one cap for every call."""
     return SearchConfig(
-        beam_size=generation.num_beams, alpha=float(generation.length_penalty), length_penalty="average"
+        beam_size=generation.num_beams,
+        alpha=float(generation.length_penalty),
+        length_penalty="average",
+        stopping="exact" if generation.early_stopping == "never" else "beam",
     )
 
 

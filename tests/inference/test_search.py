@@ -110,7 +110,7 @@ def check(hyps: list[Hypothesis], expected: list[tuple[list[int], float, float]]
 
 
 # Maximum length 0 * 1 + 5 = 5 tokens for every scripted sentence unless a test says otherwise.
-SCRIPTED = SearchConfig(beam_size=2, alpha=0.6, max_len_a=0.0, max_len_b=5)
+SCRIPTED = SearchConfig(beam_size=2, alpha=0.6, max_len_a=0.0, max_len_b=5, stopping="exact")
 
 
 def test_length_penalty_formulas() -> None:
@@ -189,7 +189,7 @@ def test_finished_sentences_leave_the_batch() -> None:
     """ "trap" (source length 1, at most 5 tokens) is done after step 2; "long" (source length 3, at
     most 7 tokens) runs to its maximum. Both equal their results alone, and after step 2 only the
     2 rows of "long" are decoded."""
-    config = SearchConfig(beam_size=2, alpha=0.6, max_len_a=1.0, max_len_b=4)
+    config = SearchConfig(beam_size=2, alpha=0.6, max_len_a=1.0, max_len_b=4, stopping="exact")
     src = torch.tensor([[3, 0, 0], [5, 7, 7]])
     model = ScriptedModel()
     together = beam_search(model, src, config)
@@ -237,7 +237,7 @@ def naive_greedy(model: Transformer, src: Tensor, limit: int) -> list[int]:
 
 
 def naive_beam(model: Transformer, src: Tensor, config: SearchConfig, limit: int) -> list[Hypothesis]:
-    """The same beam algorithm for one sentence, in Python lists, without a cache."""
+    """The same beam algorithm for one sentence, in Python lists, without a cache, with either stopping rule."""
     N = config.beam_size
     live: list[tuple[list[int], float]] = [([], 0.0)]  # one beam on the first step
     finished: list[Hypothesis] = []
@@ -260,8 +260,11 @@ def naive_beam(model: Transformer, src: Tensor, config: SearchConfig, limit: int
         if t + 1 == limit:
             break
         live = [([*tokens, v], score) for score, tokens, v in candidates if v != E][:N]
+        if config.stopping == "beam" and len(finished) >= N:
+            break
         best = sorted((h.score for h in finished), reverse=True)[: config.n_best]
-        if len(best) == config.n_best and live[0][1] / length_penalty(limit, config.alpha) <= best[-1]:
+        bound = live[0][1] / length_penalty(limit, config.alpha)
+        if config.stopping == "exact" and len(best) == config.n_best and bound <= best[-1]:
             break
     return sorted(finished, key=lambda h: h.score, reverse=True)[: config.n_best]
 
@@ -283,19 +286,23 @@ def test_beam_one_equals_greedy(seed: int) -> None:
     beam_one = beam_search(model, src, replace(CONFIG, beam_size=1, alpha=0.0))
     for (b,), (g,) in zip(beam_one, greedy):
         assert b.tokens == g.tokens and b.log_prob == pytest.approx(g.log_prob, rel=1e-5)
-    # With one it may go on past greedy's EOS, and then only for a better score.
+    # Stopping at one finished hypothesis, beam 1 is greedy; stopping exactly, it may go on past
+    # greedy's EOS, and then only for a better score.
     beam_one = beam_search(model, src, replace(CONFIG, beam_size=1))
+    assert [b.tokens for (b,) in beam_one] == [g.tokens for (g,) in greedy]
+    beam_one = beam_search(model, src, replace(CONFIG, beam_size=1, stopping="exact"))
     for (b,), (g,) in zip(beam_one, greedy):
         assert b.score >= g.score - 1e-6
         if b.tokens != g.tokens:
             assert b.score > g.score
 
 
+@pytest.mark.parametrize("stopping", ["beam", "exact"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_cached_search_equals_naive_full_prefix_search(seed: int) -> None:
+def test_cached_search_equals_naive_full_prefix_search(seed: int, stopping: str) -> None:
     model, src = tiny_model(seed), random_batch(seed)
     limit = max_lengths(src, CONFIG).tolist()
-    config = replace(CONFIG, n_best=2)
+    config = replace(CONFIG, n_best=2, stopping=stopping)
     greedy = greedy_search(model, src, max_len=max_lengths(src, CONFIG))
     beams = beam_search(model, src, config)
     with torch.inference_mode():
@@ -305,6 +312,43 @@ def test_cached_search_equals_naive_full_prefix_search(seed: int) -> None:
             same(beams[i], naive_beam(model, one, config, n))
     ended = [len(h[0].tokens) < n for h, n in zip(beams, limit)]
     assert any(ended) and not all(ended), "the test should see both EOS and maximum-length endings"
+
+
+def test_beam_stopping_is_exact_stopping_cut_short() -> None:
+    """The two rules follow the same beams; "beam" stops a sentence at its N-th finished hypothesis, so
+    with n_best = N "exact" finds those N and perhaps more: its best is at least as good, and it never
+    stops sooner (over the seeds, it decodes more rows)."""
+    config = replace(CONFIG, n_best=3)
+    rows = {"beam": 0, "exact": 0}
+    for seed in SEEDS:
+        model, src = tiny_model(seed), random_batch(seed)
+        found = {}
+        for stopping in rows:
+            counted = Counted(model)
+            found[stopping] = beam_search(counted, src, replace(config, stopping=stopping))
+            rows[stopping] += sum(counted.rows)
+            assert all(len(hyps) == 3 for hyps in found[stopping])
+        for exact, cut_short in zip(found["exact"], found["beam"]):
+            assert exact[0].score >= cut_short[0].score - 1e-6
+    assert rows["beam"] < rows["exact"], rows
+
+
+class Counted(nn.Module):
+    """A model that notes the rows of each decoding step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model, self.rows = model, []
+
+    def encode(self, src: Tensor) -> Memory:
+        return self.model.encode(src)
+
+    def new_cache(self, memory: Memory, max_len: int):
+        return self.model.new_cache(memory, max_len)
+
+    def decode(self, tgt_in: Tensor, memory: Memory | None, cache=None) -> Tensor:
+        self.rows.append(tgt_in.size(0))
+        return self.model.decode(tgt_in, memory, cache)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -151,10 +151,11 @@ def exported(tmp_path_factory):
 
 def generated(hf, tokenizer, texts: list[str], search: SearchConfig) -> list[list[int]]:
     """transformers' generate on a padded batch of texts with aiayn's search settings (average length
-    penalty, no early stop, aiayn's output limit): each output's ids after the start token, without EOS."""
+    penalty, its stopping, aiayn's output limit): each output's ids after the start token, without EOS."""
     batch = tokenizer(texts, return_tensors="pt", padding=True)
     limit = max(search.max_length(n) for n in batch["attention_mask"].sum(1).tolist())
-    beams = dict(num_beams=search.beam_size, length_penalty=search.alpha, early_stopping="never")
+    stopping = True if search.stopping == "beam" else "never"
+    beams = dict(num_beams=search.beam_size, length_penalty=search.alpha, early_stopping=stopping)
     with torch.no_grad():
         out = hf.generate(
             **batch, **(beams if search.beam_size > 1 else {"num_beams": 1}), max_new_tokens=limit
@@ -178,9 +179,10 @@ def test_the_tokenizer_encodes_as_aiayn_does(exported):
 # a = 0 they are the same, and this briefly trained model runs some outputs into it
 GREEDY = SearchConfig(beam_size=1, max_len_a=0, max_len_b=30)
 BEAM = SearchConfig(beam_size=4, alpha=0.6, length_penalty="average", max_len_a=0, max_len_b=30)
+BEAM_EXACT = dataclasses.replace(BEAM, stopping="exact")
 
 
-@pytest.mark.parametrize("search", [GREEDY, BEAM], ids=["greedy", "beam 4"])
+@pytest.mark.parametrize("search", [GREEDY, BEAM, BEAM_EXACT], ids=["greedy", "beam 4", "beam 4 exact"])
 def test_generate_gives_aiayns_tokens(exported, search):
     _, _, ours, hf, tokenizer = exported
     want = ours_ids(ours, SOURCES, search)
@@ -254,6 +256,7 @@ def test_a_model_directory_of_an_older_aiayn_still_exports(exported, tmp_path):
     export_transformers(old, tmp_path / "hf")
     hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.generation_config.num_beams == 4
+    assert hf.generation_config.early_stopping is True  # the default stopping, "beam"
     src, tgt_in = padded_batch(ours.model)
     with torch.no_grad():
         got = hf(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in).logits.log_softmax(

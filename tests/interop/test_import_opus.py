@@ -77,7 +77,7 @@ def test_token_ids_are_marian_tokenizers(opus):
 def test_the_import_gives_transformers_tokens_greedy_and_beam(opus):
     """40 sentences through aiayn's search on the import and through generate on the original (OPUS-MT's
     generation config: pad banned; the same output limit per sentence, the same length penalty; beams run
-    until no live hypothesis can win, as aiayn's do). A random tied model repeats itself to the limit, so
+    until no live hypothesis can win: aiayn's "exact" stopping, transformers' "never"). A random tied model repeats itself to the limit, so
     this compares long outputs; stopping at EOS is compared on the export's own tests. The import runs as
     a user's command does, in the default number format: fp32, exact, on every CPU class."""
     from aiayn.inference.translate import Translator
@@ -90,7 +90,9 @@ def test_the_import_gives_transformers_tokens_greedy_and_beam(opus):
     assert load_search(imported).beam_size == 4
     outputs = set()
     for beam in (1, 4):
-        config = translator.search_config.__class__(beam_size=beam, alpha=1.0, length_penalty="average")
+        config = translator.search_config.__class__(
+            beam_size=beam, alpha=1.0, length_penalty="average", stopping="exact"
+        )
         ours = translator.translate_ids(translator.tokenizer.encode_src(texts), config)
         for text, hyp in zip(texts, ours):
             inputs = marian([text], return_tensors="pt")
