@@ -472,7 +472,7 @@ def from_dict(cls: type[C], values: dict[str, Any], where: str = "config") -> C:
 
 
 # The fields of a TrainConfig's search that are set as if they were its own (`--set alpha=1.0`).
-SEARCH_KEYS = ("beam_size", "alpha", "length_penalty", "max_len_a", "max_len_b")
+SEARCH_KEYS = ("beam_size", "alpha", "length_penalty", "max_len_a", "max_len_b", "stopping")
 
 
 def _nest_search(values: dict[str, Any], where: str) -> dict[str, Any]:

@@ -430,7 +430,7 @@ def test_translate_starts_from_the_models_search_json_and_flags_override_it(work
     (own / checkpoint.SEARCH).write_text(json.dumps(own_search))
 
     def flags(**given):
-        unset = {"beam_size": None, "alpha": None, "length_penalty": None}
+        unset = {"beam_size": None, "alpha": None, "length_penalty": None, "stopping": None}
         return argparse.Namespace(**{"model": own, **unset, **given})
 
     def search_of(args, **kwargs):
@@ -440,6 +440,7 @@ def test_translate_starts_from_the_models_search_json_and_flags_override_it(work
     assert search_of(flags(alpha=0.2), n_best=5) == SearchConfig(
         beam_size=5, alpha=0.2, length_penalty="average", n_best=5
     )
+    assert search_of(flags(stopping="exact")).stopping == "exact"
     outputs = {}
     explicit = ["--beam-size", 3, "--alpha", 1.0, "--length-penalty", "average"]
     for name, extra in (("plain", []), ("explicit", explicit)):
@@ -517,6 +518,7 @@ def test_init_fine_tunes_a_model_with_its_vocabulary_architecture_and_search(
         "max_len_a": 1.0,
         "max_len_b": 40,
         "n_best": 1,
+        "stopping": "exact",
     }
     (init / "search.json").write_text(json.dumps(own))  # a search no recipe has
     out = tmp_path / "tuned"
