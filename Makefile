@@ -37,6 +37,7 @@ test: .venv/.installed-dev
 bench: .venv/.installed-bench
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_translate.py
+	$(PY) benchmarks/bench_real.py
 	$(PY) benchmarks/bench_scaling.py --plot docs/scaling.png
 	$(PY) benchmarks/bench_serve.py
 

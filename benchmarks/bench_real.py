@@ -7,21 +7,24 @@ Models: the one the README's en -> de command trained (../shared/models/m30k-en-
 validation English sentences. For each model, search (greedy; beam 4 with the average length penalty
 and the model's alpha) and number format (fp32, int8):
 
-- `aiayn eager`: `aiayn translate MODEL --input F --output O --dtype D --beam-size B --no-compile`;
-- `aiayn compiled`: the same without --no-compile, from a store an earlier `--compile` of the same
-  file filled (not timed): what `aiayn translate` with no flags runs once the graphs are stored;
+- `aiayn`: `aiayn translate MODEL --input F --output O` with no other flags for the model's own search
+  in the default number format (eager decoding); `--dtype int8` and `--beam-size 1` where asked;
+- `aiayn compiled`: the same with `--compile`, from a store an earlier `--compile` of the same file
+  filled (not timed);
+- `aiayn exact` (not run unless named): the same as `aiayn` with `--stopping exact`;
 - `ctranslate2 1t`, `2t`: `aiayn export --format ctranslate2`'s directory in a process of its own that
   reads the file, tokenizes it with the model's tokenizer.json, calls `translate_batch` (the same beam
   and length penalty, max_batch_size 64) and writes the detokenized lines, with 1 or 2 threads.
 
 Each cell reports the decoding seconds (the CLI's own "translated N lines in S s"; CTranslate2: its
-translate_batch call) and the whole process's, the best of --reps runs, and sentences/s; the store of
+translate_batch call) and the whole process's, the best of --reps runs (the systems alternating), and
+sacreBLEU of the output against the German references; the store of
 compiled graphs is the benchmark's own (AIAYN_COMPILE_STORE under --workdir). --profile adds where an
 eager run's time goes: the process's phases (import, load, tokenization and batching, decoding,
 detokenization) and torch.profiler's operators of the decoding.
 
     python benchmarks/bench_real.py [--models shared,small,base] [--searches greedy,beam4]
-                                    [--dtypes fp32,int8] [--reps 2] [--profile] [--results FILE]
+                                    [--dtypes default,int8] [--reps 2] [--profile] [--results FILE]
 The last line printed is JSON.
 """
 
@@ -48,6 +51,24 @@ AIAYN = [sys.executable, "-m", "aiayn"]
 UPDATES = {"small": 400, "base": 200}
 SEARCHES = {"greedy": 1, "beam4": 4}
 CT2_COMPUTE = {"fp32": "float32", "int8": "int8"}
+FORMAT = {"default": "fp32", "int8": "int8"}
+SYSTEMS = (
+    "aiayn",
+    "aiayn compiled",
+    "aiayn exact",
+    "ctranslate2 1t",
+    "ctranslate2 2t",
+)  # the number format of each: a CPU's default is fp32
+# the profile's operators by what they do in a decoding step
+OPERATOR_GROUPS = {
+    "matrix products": {"aten::addmm", "aten::mm", "aten::bmm", "aten::matmul"},
+    "attention": {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_softmax"},
+    "cache reorders and finished sentences": {"aten::index_select", "aten::index", "aten::gather"},
+    "copies": {"aten::copy_", "aten::cat", "aten::fill_"},
+    "the search's softmax and top-k": {"aten::_log_softmax", "aten::topk", "aten::amax", "aten::max",
+                                       "aten::logsumexp", "aten::exp", "aten::sub"},
+    "norms, residuals, activations": {"aten::native_layer_norm", "aten::add", "aten::clamp_min", "aten::relu"},
+}  # fmt: skip
 TRANSLATED = re.compile(r"translated (\d+) lines in ([\d.]+) s")
 
 
@@ -87,10 +108,15 @@ def timed(command: list[str], env: dict) -> tuple[float, float, str]:
     return whole, float(found[-1][1]), done.stderr
 
 
-def aiayn_command(model: Path, src: Path, out: Path, dtype: str, beam: int, eager: bool) -> list[str]:
-    command = [*AIAYN, "translate", str(model), "--input", str(src), "--output", str(out), "--dtype", dtype,
-               "--beam-size", str(beam), "--quiet"]  # fmt: skip
-    return command + (["--no-compile"] if eager else [])
+def aiayn_command(model: Path, src: Path, out: Path, dtype: str, beam: int, *flags: str) -> list[str]:
+    """`aiayn translate` of src with the flags a user would give: none for the model's own search in the
+    default number format."""
+    command = [*AIAYN, "translate", str(model), "--input", str(src), "--output", str(out), "--quiet", *flags]
+    if dtype != "default":
+        command += ["--dtype", dtype]
+    if beam != json.loads((model / "search.json").read_text())["beam_size"]:
+        command += ["--beam-size", str(beam)]
+    return command
 
 
 def ct2_command(
@@ -160,12 +186,19 @@ def profile(model: Path, src: list[str], beam: int) -> dict:
     print(f"{len(batches)} batches of {min(map(len, batches))}-{max(map(len, batches))} sentences; under the "
           f"profiler {wall:.2f} s, of which operators {operators:.2f} s ({100 * operators / wall:.0f}%)")  # fmt: skip
     print(events.table(sort_by="self_cpu_time_total", row_limit=20))
+    groups: dict[str, float] = dict.fromkeys([*OPERATOR_GROUPS, "other operators"], 0.0)
+    for e in events:
+        group = next((g for g, names in OPERATOR_GROUPS.items() if e.key in names), "other operators")
+        groups[group] += e.self_cpu_time_total / 1e6
+    groups["Python and dispatch (outside operators)"] = wall - operators
+    print("where the decoding's time goes (s): " + ", ".join(f"{g} {t:.2f}" for g, t in groups.items()))
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
     return {
         "phases_s": phases,
         "batches": [len(b) for b in batches],
         "profiled_wall_s": wall,
         "operators_s": operators,
+        "groups_s": groups,
         "top_operators": [
             {"name": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count} for e in top
         ],
@@ -176,8 +209,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="shared,small,base")
     ap.add_argument("--searches", default="greedy,beam4")
-    ap.add_argument("--dtypes", default="fp32,int8")
-    ap.add_argument("--systems", default="aiayn eager,aiayn compiled,ctranslate2 1t,ctranslate2 2t")
+    ap.add_argument("--dtypes", default="default,int8")
+    ap.add_argument("--systems", default="aiayn,aiayn compiled,ctranslate2 1t,ctranslate2 2t")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench_real"))
     ap.add_argument("--profile", action="store_true")
@@ -187,15 +220,20 @@ def main() -> None:
     if args.ct2_child:  # (before importing what the benchmark uses: torch, aiayn)
         return ct2_child(*args.ct2_child)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import sacrebleu
     from common import machine, save_results
+
     if not (MULTI30K / "val.en.gz").is_file() or not SHARED_MODEL.is_dir():
-        sys.exit(f"bench_real: needs {MULTI30K} and {SHARED_MODEL} (the shared data and model)")
+        print(f"bench_real: skipped, it needs {MULTI30K} and {SHARED_MODEL} (the shared data and model)")
+        return
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     src = workdir / "val.en"
     with gzip.open(MULTI30K / "val.en.gz", "rt", encoding="utf-8") as f:
         lines = f.read().splitlines()
     src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    with gzip.open(MULTI30K / "val.de.gz", "rt", encoding="utf-8") as f:
+        references = f.read().splitlines()
     env = {**os.environ, "AIAYN_COMPILE_STORE": str(workdir / "store")}
     systems = args.systems.split(",")
     print(f"machine: {machine()}", flush=True)
@@ -209,15 +247,24 @@ def main() -> None:
         for search in args.searches.split(","):
             beam = SEARCHES[search]
             for dtype in args.dtypes.split(","):
-                out = workdir / "out.txt"
+                out = {system: workdir / f"out-{system.replace(' ', '-')}.txt" for system in SYSTEMS}
                 if "aiayn compiled" in systems:  # the store filled as a user's first --compile fills it
-                    subprocess.run(aiayn_command(model, src, out, dtype, beam, False) + ["--compile"], env=env,
+                    subprocess.run(aiayn_command(model, src, out["aiayn compiled"], dtype, beam, "--compile"), env=env,
                                    check=True, capture_output=True)  # fmt: skip
                 commands = {
-                    "aiayn eager": aiayn_command(model, src, out, dtype, beam, eager=True),
-                    "aiayn compiled": aiayn_command(model, src, out, dtype, beam, eager=False),
-                    "ctranslate2 1t": ct2 and ct2_command(ct2, src, out, dtype, beam, alpha, 1),
-                    "ctranslate2 2t": ct2 and ct2_command(ct2, src, out, dtype, beam, alpha, 2),
+                    "aiayn": aiayn_command(model, src, out["aiayn"], dtype, beam),
+                    "aiayn compiled": aiayn_command(
+                        model, src, out["aiayn compiled"], dtype, beam, "--compile"
+                    ),
+                    "aiayn exact": aiayn_command(
+                        model, src, out["aiayn exact"], dtype, beam, "--stopping", "exact"
+                    ),
+                    "ctranslate2 1t": ct2_command(
+                        ct2, src, out["ctranslate2 1t"], FORMAT[dtype], beam, alpha, 1
+                    ),
+                    "ctranslate2 2t": ct2_command(
+                        ct2, src, out["ctranslate2 2t"], FORMAT[dtype], beam, alpha, 2
+                    ),
                 }
                 runs: dict[str, list[tuple[float, float]]] = {s: [] for s in systems}
                 for _ in range(args.reps):  # alternating: each system once a round
@@ -226,11 +273,13 @@ def main() -> None:
                         runs[system].append((whole, decoding))
                 for system in systems:
                     whole, decoding = min(w for w, _ in runs[system]), min(d for _, d in runs[system])
-                    row = {"model": name, "search": search, "dtype": dtype, "system": system, "sentences": len(lines),
-                           "decoding_s": decoding, "whole_s": whole}  # fmt: skip
+                    hypotheses = out[system].read_text(encoding="utf-8").splitlines()
+                    bleu = sacrebleu.corpus_bleu(hypotheses, [references]).score
+                    row = {"model": name, "search": search, "dtype": dtype, "format": FORMAT[dtype], "system": system,
+                           "sentences": len(lines), "decoding_s": decoding, "whole_s": whole, "bleu": bleu}  # fmt: skip
                     results.append(row)
-                    print(f"{name:7} {search:6} {dtype:5} {system:15} decoding {decoding:6.2f} s "
-                          f"({len(lines) / decoding:7.1f} sent/s)  whole {whole:6.2f} s", flush=True)  # fmt: skip
+                    print(f"{name:7} {search:6} {dtype:7} {system:15} decoding {decoding:6.2f} s "
+                          f"({len(lines) / decoding:7.1f} sent/s)  whole {whole:6.2f} s  BLEU {bleu:5.2f}", flush=True)  # fmt: skip
     ratios = {}
     for row in results:
         if row["system"].startswith("aiayn"):

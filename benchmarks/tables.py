@@ -9,6 +9,7 @@ files the benchmarks write, so that a figure there is always one a benchmark mea
     docs/bench_cold_cpu.json, docs/bench_cold_cpu_avx2.json
                                  python benchmarks/bench_serve.py --cold-start [--isa avx2] --results ...
     docs/bench_opus_cpu.json     python benchmarks/bench_opus.py --results docs/bench_opus_cpu.json
+    docs/bench_real_cpu.json     python benchmarks/bench_real.py --results docs/bench_real_cpu.json
 
 `python benchmarks/tables.py` rewrites the tables between their markers; `--check` only says whether they
 agree (tests/test_docs.py does the same).
@@ -44,6 +45,7 @@ RESULTS = ROOT / "docs" / "results.md"
 COLD = ROOT / "docs" / "bench_cold_cpu.json"
 COLD_AVX2 = ROOT / "docs" / "bench_cold_cpu_avx2.json"
 OPUS = ROOT / "docs" / "bench_opus_cpu.json"
+REAL = ROOT / "docs" / "bench_real_cpu.json"
 ARROW = {"de-en": "de → en", "en-de": "en → de"}
 
 
@@ -179,9 +181,9 @@ def training_rows(train: dict) -> list[tuple[str, str, dict[str, float]]]:
 
 def speed(train: dict, translate: dict) -> str:
     """aiayn against the peers on the same workload, in one run of each benchmark: training against the
-    best peer, in the format the CPU takes by default; translation in the default format and
-    int8 against CTranslate2 (the faster of its thread counts), ONNX Runtime and transformers' generate,
-    where the run measured them (bf16's cells: docs/performance.md)."""
+    best peer, in the format the CPU takes by default; translation in the default format against
+    CTranslate2 (the faster of its thread counts), ONNX Runtime and transformers' generate, where the
+    run measured them (int8's and bf16's cells: docs/performance.md)."""
     lines = [
         "| training | aiayn | best peer | aiayn / peer |",
         "|---|---:|---|---:|",
@@ -204,7 +206,7 @@ def speed(train: dict, translate: dict) -> str:
         "|---|---:|---:|---:|" + "---:|" * len(others) + "---:|",
     ]
     default = TRANSLATION_DEFAULT
-    for (config, dtype, search, batch), rows in translation_cells(translate, (default, "int8")):
+    for (config, dtype, search, batch), rows in translation_cells(translate, (default,)):
         ct2 = max((s for s in rows if s.startswith("ctranslate2")), key=rows.get)
         peers = [s for s in rows if not s.startswith("aiayn")]
         best_peer = max(rows[s] for s in peers)
@@ -245,6 +247,53 @@ def translation_cells(translate: dict, dtypes: tuple[str, ...]) -> list[tuple[tu
 def described(search: str, batch: int) -> str:
     sentences = "1 sentence" if batch == 1 else f"{batch} sentences a batch"
     return f"{search.replace('beam', 'beam ')}, {sentences}"
+
+
+# bench_real.py's models, as a reader knows them
+REAL_MODELS = {
+    "shared": "the README's en → de model",
+    "small": "`small`, 400 updates",
+    "base": "`base`, 200 updates",
+}
+
+
+def real(record: dict, full: bool) -> str:
+    """`aiayn translate` of Multi30k's validation file as whole processes (bench_real.py) against CTranslate2
+    on the same model: decoding and whole-process seconds and the speed ratio against the faster of its
+    thread counts, BLEU of both. The README: the default format; full: every format and aiayn's other
+    paths (compiled, exact stopping) too."""
+    results = record["results"]
+    cells = sorted(
+        {(r["model"], r["search"], r["dtype"]) for r in results if full or r["dtype"] == "default"},
+        key=lambda c: (list(REAL_MODELS).index(c[0]), c[1] != "greedy", c[2] != "default"),
+    )
+    others = [s for s in ("aiayn compiled", "aiayn exact") if full and any(r["system"] == s for r in results)]
+    lines = [
+        "| model, search, format | aiayn decoding | CTranslate2 | speed vs CT2 | aiayn whole process | "
+        "CTranslate2 | speed vs CT2 | BLEU aiayn / CT2 | " + "".join(f"{s} decoding | " for s in others),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(others),
+    ]
+    for model, search, dtype in cells:
+        rows = {
+            r["system"]: r for r in results if (r["model"], r["search"], r["dtype"]) == (model, search, dtype)
+        }
+        ct2 = min((s for s in rows if s.startswith("ctranslate2")), key=lambda s: rows[s]["decoding_s"])
+        ours, peer = rows["aiayn"], rows[ct2]
+        fmt = f"{rows['aiayn']['format']} (default)" if dtype == "default" else dtype
+        lines.append(
+            f"| {REAL_MODELS[model]}, {search.replace('beam', 'beam ')}, {fmt} | {ours['decoding_s']:.2f} s | "
+            f"{peer['decoding_s']:.2f} s ({ct2.split()[-1]}) | {peer['decoding_s'] / ours['decoding_s']:.2f}x | "
+            f"{ours['whole_s']:.2f} s | {peer['whole_s']:.2f} s | {peer['whole_s'] / ours['whole_s']:.2f}x | "
+            f"{ours['bleu']:.1f} / {peer['bleu']:.1f} | "
+            + "".join(f"{rows[s]['decoding_s']:.2f} s | " if s in rows else "- | " for s in others)
+        )
+    lines += [
+        "",
+        f"{record['machine']}, {record['date']} (`{record['command']}`): {record['results'][0]['sentences']:,} "
+        "sentences, each system a process of its own; CTranslate2 4.8 on `aiayn export --format ctranslate2`'s "
+        "directory with the faster of 1 and 2 threads (t), batches of 64.",
+    ]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def cpu_training(train: dict) -> str:
@@ -400,10 +449,12 @@ def tables(page: Path = README) -> dict[str, str]:
             "formats": formats(read(FORMATS)),
             "cold start": cold_start(cold, full=True),
             "opus-mt": opus(read(OPUS)),
+            "real work": real(read(REAL), full=True),
         }
     if page == RESULTS:
         return {"updates": by_updates(read(QUALITY))}
     return {
+        "real work": real(read(REAL), full=False),
         "quality": quality(read(QUALITY)),
         "speed": speed(read(TRAIN), read(TRANSLATE)),
         "cold start": cold_start(cold, full=False),
