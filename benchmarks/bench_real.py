@@ -10,7 +10,8 @@ and the model's alpha) and number format (fp32, int8):
 - `aiayn`: `aiayn translate MODEL --input F --output O` with no other flags for the model's own search
   in the default number format (eager decoding); `--dtype int8` and `--beam-size 1` where asked;
 - `aiayn compiled`: the same with `--compile`, from a store an earlier `--compile` of the same file
-  filled (not timed);
+  filled (not timed), for the --compiled-models (the shared one by default: `small`'s and `base`'s
+  graphs take minutes each to compile);
 - `aiayn exact` (not run unless named): the same as `aiayn` with `--stopping exact`;
 - `ctranslate2 1t`, `2t`: `aiayn export --format ctranslate2`'s directory in a process of its own that
   reads the file, tokenizes it with the model's tokenizer.json, calls `translate_batch` (the same beam
@@ -24,7 +25,8 @@ eager run's time goes: the process's phases (import, load, tokenization and batc
 detokenization) and torch.profiler's operators of the decoding.
 
     python benchmarks/bench_real.py [--models shared,small,base] [--searches greedy,beam4]
-                                    [--dtypes default,int8] [--reps 2] [--profile] [--results FILE]
+                                    [--dtypes default,int8] [--compiled-models shared] [--reps 2]
+                                    [--profile] [--results FILE]
 The last line printed is JSON.
 """
 
@@ -211,6 +213,7 @@ def main() -> None:
     ap.add_argument("--searches", default="greedy,beam4")
     ap.add_argument("--dtypes", default="default,int8")
     ap.add_argument("--systems", default="aiayn,aiayn compiled,ctranslate2 1t,ctranslate2 2t")
+    ap.add_argument("--compiled-models", default="shared", help="the models `aiayn compiled` runs for")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench_real"))
     ap.add_argument("--profile", action="store_true")
@@ -248,7 +251,9 @@ def main() -> None:
             beam = SEARCHES[search]
             for dtype in args.dtypes.split(","):
                 out = {system: workdir / f"out-{system.replace(' ', '-')}.txt" for system in SYSTEMS}
-                if "aiayn compiled" in systems:  # the store filled as a user's first --compile fills it
+                if "aiayn compiled" in systems and name in args.compiled_models.split(
+                    ","
+                ):  # the store filled as a user's first --compile fills it
                     subprocess.run(aiayn_command(model, src, out["aiayn compiled"], dtype, beam, "--compile"), env=env,
                                    check=True, capture_output=True)  # fmt: skip
                 commands = {
@@ -266,12 +271,15 @@ def main() -> None:
                         ct2, src, out["ctranslate2 2t"], FORMAT[dtype], beam, alpha, 2
                     ),
                 }
-                runs: dict[str, list[tuple[float, float]]] = {s: [] for s in systems}
+                here = [
+                    s for s in systems if s != "aiayn compiled" or name in args.compiled_models.split(",")
+                ]
+                runs: dict[str, list[tuple[float, float]]] = {s: [] for s in here}
                 for _ in range(args.reps):  # alternating: each system once a round
-                    for system in systems:
+                    for system in here:
                         whole, decoding, _ = timed(commands[system], env)
                         runs[system].append((whole, decoding))
-                for system in systems:
+                for system in here:
                     whole, decoding = min(w for w, _ in runs[system]), min(d for _, d in runs[system])
                     hypotheses = out[system].read_text(encoding="utf-8").splitlines()
                     bleu = sacrebleu.corpus_bleu(hypotheses, [references]).score

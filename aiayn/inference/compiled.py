@@ -814,7 +814,7 @@ def fingerprint(model: Transformer, options: dict, weights: bool = True) -> str:
     return digest.hexdigest()
 
 
-# --- What `aiayn translate` decodes with by default: the graphs an earlier compile stored, and no other --
+# --- Decoding with the graphs an earlier compile stored, and no other (compile="stored") -----------------
 
 
 def traced_format(device: torch.device) -> str:
