@@ -13,6 +13,8 @@ and the model's alpha) and number format (fp32, int8):
   filled (not timed), for the --compiled-models (the shared one by default: `small`'s and `base`'s
   graphs take minutes each to compile);
 - `aiayn exact` (not run unless named): the same as `aiayn` with `--stopping exact`;
+- for the compiled models, `aiayn` and `aiayn compiled` also translate the first --few lines (1 and 8):
+  what loading the stored graphs costs a process that translates little;
 - `ctranslate2 1t`, `2t`: `aiayn export --format ctranslate2`'s directory in a process of its own that
   reads the file, tokenizes it with the model's tokenizer.json, calls `translate_batch` (the same beam
   and length penalty, max_batch_size 64) and writes the detokenized lines, with 1 or 2 threads.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import importlib.metadata
 import json
 import os
 import re
@@ -214,6 +217,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="default,int8")
     ap.add_argument("--systems", default="aiayn,aiayn compiled,ctranslate2 1t,ctranslate2 2t")
     ap.add_argument("--compiled-models", default="shared", help="the models `aiayn compiled` runs for")
+    ap.add_argument("--few", default="1,8", help="also time the first N lines, eager and compiled (stored)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench_real"))
     ap.add_argument("--profile", action="store_true")
@@ -288,9 +292,25 @@ def main() -> None:
                     results.append(row)
                     print(f"{name:7} {search:6} {dtype:7} {system:15} decoding {decoding:6.2f} s "
                           f"({len(lines) / decoding:7.1f} sent/s)  whole {whole:6.2f} s  BLEU {bleu:5.2f}", flush=True)  # fmt: skip
+                if "aiayn compiled" in here:  # a few sentences: what loading the graphs costs a process
+                    for n in [int(n) for n in args.few.split(",") if n]:
+                        few = workdir / f"val-{n}.en"
+                        few.write_text("".join(line + "\n" for line in lines[:n]), encoding="utf-8")
+                        few_runs: dict[str, list[tuple[float, float]]] = {"aiayn": [], "aiayn compiled": []}
+                        for _ in range(args.reps):
+                            for system, flags in (("aiayn", ()), ("aiayn compiled", ("--compile",))):
+                                command = aiayn_command(model, few, out[system], dtype, beam, *flags)
+                                few_runs[system].append(timed(command, env)[:2])
+                        for system, times in few_runs.items():
+                            whole, decoding = min(w for w, _ in times), min(d for _, d in times)
+                            results.append({"model": name, "search": search, "dtype": dtype, "format": FORMAT[dtype],
+                                            "system": system, "sentences": n, "decoding_s": decoding,
+                                            "whole_s": whole, "bleu": None})  # fmt: skip
+                            print(f"{name:7} {search:6} {dtype:7} {system:15} {n} sentences: decoding "
+                                  f"{decoding:6.2f} s  whole {whole:6.2f} s", flush=True)  # fmt: skip
     ratios = {}
     for row in results:
-        if row["system"].startswith("aiayn"):
+        if row["system"].startswith("aiayn") and row["sentences"] == len(lines):
             peers = [r for r in results if (r["model"], r["search"], r["dtype"]) == (row["model"], row["search"], row["dtype"])
                      and r["system"].startswith("ctranslate2")]  # fmt: skip
             if peers:
@@ -306,6 +326,7 @@ def main() -> None:
         "machine": machine(),
         "command": shlex.join(["python", *sys.argv]),
         "updates": UPDATES,
+        "ctranslate2": importlib.metadata.version("ctranslate2"),
         "results": results,
         "ratios": ratios,
         **({"profiles": profiles} if profiles else {}),

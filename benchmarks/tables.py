@@ -262,7 +262,9 @@ def real(record: dict, full: bool) -> str:
     on the same model: decoding and whole-process seconds and the speed ratio against the faster of its
     thread counts, BLEU of both. The README: the default format; full: every format and aiayn's other
     paths (compiled, exact stopping) too."""
-    results = record["results"]
+    whole_file = max(r["sentences"] for r in record["results"])
+    few = [r for r in record["results"] if r["sentences"] < whole_file]
+    results = [r for r in record["results"] if r["sentences"] == whole_file]
     cells = sorted(
         {(r["model"], r["search"], r["dtype"]) for r in results if full or r["dtype"] == "default"},
         key=lambda c: (list(REAL_MODELS).index(c[0]), c[1] != "greedy", c[2] != "default"),
@@ -287,10 +289,30 @@ def real(record: dict, full: bool) -> str:
             f"{ours['bleu']:.1f} / {peer['bleu']:.1f} | "
             + "".join(f"{rows[s]['decoding_s']:.2f} s | " if s in rows else "- | " for s in others)
         )
+    if full and few:
+        lines += [
+            "",
+            "| model, search, format | sentences | aiayn: decoding | whole process | aiayn compiled (stored): "
+            "decoding | whole process |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for model, search, dtype, n in sorted(
+            {(r["model"], r["search"], r["dtype"], r["sentences"]) for r in few},
+            key=lambda c: (list(REAL_MODELS).index(c[0]), c[1] != "greedy", c[2] != "default", c[3]),
+        ):
+            rows = {r["system"]: r for r in few if (r["model"], r["search"], r["dtype"], r["sentences"]) == (model, search, dtype, n)}  # fmt: skip
+            eager, compiled = rows["aiayn"], rows["aiayn compiled"]
+            lines.append(
+                f"| {REAL_MODELS[model]}, {search.replace('beam', 'beam ')}, "
+                f"{eager['format'] + ' (default)' if dtype == 'default' else dtype} | {n} | "
+                f"{eager['decoding_s']:.2f} s | {eager['whole_s']:.2f} s | {compiled['decoding_s']:.2f} s | "
+                f"{compiled['whole_s']:.2f} s |"
+            )
     lines += [
         "",
-        f"{record['machine']}, {record['date']} (`{record['command']}`): {record['results'][0]['sentences']:,} "
-        "sentences, each system a process of its own; CTranslate2 4.8 on `aiayn export --format ctranslate2`'s "
+        f"{record['machine']}, {record['date']} (`{record['command']}`): {whole_file:,} "
+        f"sentences, each system a process of its own; CTranslate2 {record['ctranslate2']} on `aiayn export "
+        "--format ctranslate2`'s "
         "directory with the faster of 1 and 2 threads (t), batches of 64.",
     ]
     return "\n".join(line.rstrip() for line in lines)
