@@ -330,11 +330,16 @@ class CompiledDecoder(Decoder):
         # Translator decodes it eagerly
         self.classes: set[str] | None = None
         self.builds_at_once = True  # a package's two C++ builds at once (compiler.py): the cores are ours
+        # whether the batch being decoded is above max_sentences: eager to its end, its search's own work too,
+        # when its live sentences come to fit (a graph loaded or compiled for a batch's last steps cost more
+        # than it saved: 4 s of a 6 s greedy run over Multi30k's validation file, benchmarks/bench_real.py)
+        self._eager_batch = False
 
     def encode(self, src: Tensor) -> Memory:
         """src (B, S) -> memory, with each decoder layer's cross keys and values (CompiledMemory)."""
         B = src.size(0)
-        if B > self.max_sentences:
+        self._eager_batch = B > self.max_sentences
+        if self._eager_batch:
             return self.model.encode(src)
         cls = row_class(B)
         if self.classes is not None and cls not in self.classes:
@@ -415,7 +420,7 @@ class CompiledDecoder(Decoder):
         """search.beam_candidates as one graph for one sentence and one for any number of them (B and V
         dynamic), per beam, n_best and penalty: at one sentence of `small`, eager, its 30-odd operators
         took half as long as the compiled step (benchmarks/bench_translate.py)."""
-        if logits.size(0) > self.max_sentences:
+        if self._eager_batch or logits.size(0) > self.max_sentences:
             return beam_candidates(logits, live, length, n_best, alpha, kind, stopping)
         key = (
             "beam",
@@ -434,7 +439,7 @@ class CompiledDecoder(Decoder):
         self, logits: Tensor, log_prob: Tensor, limit: Tensor, length: Tensor
     ) -> GreedyStep:
         """search.greedy_candidates as one graph for one sentence and one for any number (B and V dynamic)."""
-        if logits.size(0) > self.max_sentences:
+        if self._eager_batch or logits.size(0) > self.max_sentences:
             return greedy_candidates(logits, log_prob, limit, length)
         key = ("greedy", min(logits.size(0), 2), str(logits.dtype))
         return GreedyStep(

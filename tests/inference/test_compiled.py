@@ -115,7 +115,7 @@ def test_a_searchs_own_work_is_one_graph_for_one_sentence_and_one_for_more(decod
             live = BeamLive(torch.zeros(3, 4), torch.full((3,), 9), torch.ones(3), torch.full((3, 4), -torch.inf),
                             torch.zeros(3, dtype=torch.long))  # fmt: skip
             args = (torch.randn(3, 4, V - 7), live, torch.ones(1, dtype=torch.long), 4, config.alpha,
-                    config.length_penalty)  # fmt: skip
+                    config.length_penalty, config.stopping)  # fmt: skip
         else:
             args = (torch.randn(3, V - 7), torch.zeros(3), torch.full((3,), 9), torch.full((1,), 9))
         got = getattr(compiled, f"{name}_candidates")(*args)
@@ -142,8 +142,9 @@ def test_on_a_cpu_compiled_graphs_write_attention_out(decoders):
 
 
 def test_a_batch_over_max_sentences_decodes_eagerly(decoders, monkeypatch):
-    """The fixture's decoder told to compile batches of at most 2 sentences (its beam graphs, which the
-    tests above made, are reused rather than compiled again for a decoder of its own)."""
+    """The fixture's decoder told to compile batches of at most 2 sentences: a batch of 3 decodes eagerly to
+    its end, its search's own work too when its live sentences come to fit (a graph loaded for a batch's
+    last steps costs more than it saves); a batch of 2 then uses the graphs."""
     model, compiled = decoders
     monkeypatch.setattr(compiled, "max_sentences", 2)
     src = sources(3, 9, seed=3)
@@ -152,8 +153,11 @@ def test_a_batch_over_max_sentences_decodes_eagerly(decoders, monkeypatch):
     calls = []
     monkeypatch.setattr(compiled, "calls", calls)
     assert [[h.tokens for h in hyps] for hyps in search(compiled, src, config)] == want
-    # no graph of the model (beam search's own work is compiled once its live sentences fit)
-    assert calls and {key[0] for key in calls} <= {"beam"}
+    lengths = [len(h[0].tokens) for h in search(model, src, config)]
+    assert len(set(lengths)) > 1, "the sentences should end at different steps"
+    assert calls == []
+    assert [[h.tokens for h in hyps] for hyps in search(compiled, src[:2], config)] == want[:2]
+    assert calls
 
 
 def test_compiled_int8_returns_eager_int8_tokens(decoders):
