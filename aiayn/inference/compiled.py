@@ -22,7 +22,7 @@ it again (a recompilation), so:
 Compiling costs a process tens of seconds per graph, and torch.compile's own caches still trace every
 graph again in the next process. With a store (`--compile` has one: default_store), each graph is
 instead exported (torch.export) and compiled ahead of time into an AOTInductor package, weights frozen
-in, which a later process loads in about a second: no tracing, no guards, the same kernels.
+in, which a later process loads in seconds: no tracing, no guards, the same kernels.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ class CompiledDecoder(Decoder):
 
     With a store, the graphs are AOTInductor packages kept there (what `--compile` uses); without,
     torch.compile compiles them in memory. The packages run faster than graphs in memory in most of
-    benchmarks/bench_translate.py's cells, and a later process loads them in about a second.
+    benchmarks/bench_translate.py's cells, and a later process loads them in seconds.
     """
 
     def __init__(
@@ -331,8 +331,8 @@ class CompiledDecoder(Decoder):
         self.classes: set[str] | None = None
         self.builds_at_once = True  # a package's two C++ builds at once (compiler.py): the cores are ours
         # whether the batch being decoded is above max_sentences: eager to its end, its search's own work too,
-        # when its live sentences come to fit (a graph loaded or compiled for a batch's last steps cost more
-        # than it saved: 4 s of a 6 s greedy run over Multi30k's validation file, benchmarks/bench_real.py)
+        # when its live sentences come to fit: a graph loaded or compiled for a batch's last steps cost more
+        # than it saved (benchmarks/bench_real.py, compiled greedy)
         self._eager_batch = False
 
     def encode(self, src: Tensor) -> Memory:
