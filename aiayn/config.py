@@ -236,7 +236,7 @@ class SearchConfig:
         return dataclasses.replace(self, beam_size=max(self.beam_size, n_best), n_best=n_best)
 
     def describe(self) -> str:
-        """How a figure was searched: "greedy", or "beam 4, alpha 0.6, gnmt penalty"."""
+        """How a figure was searched: "greedy", or "beam 4, alpha 0.6, gnmt penalty, beam stopping"."""
         if self.beam_size == 1:
             return "greedy"
         return f"beam {self.beam_size}, alpha {self.alpha}, {self.length_penalty} penalty, {self.stopping} stopping"
