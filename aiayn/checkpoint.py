@@ -1,7 +1,8 @@
 """Model directories: save and safe load of weights, configs and training state; averaging (§6.1).
 
 A model directory holds `config.json` (ModelConfig), `model.safetensors`, the tokenizer file(s) and, when
-it was trained by aiayn, `search.json` (the SearchConfig it is meant to be decoded with);
+it was trained by aiayn, `search.json` (the SearchConfig it is meant to be decoded with) and, where they
+are known, `languages.json` (the languages it reads and writes: Languages);
 a training checkpoint (OUT/checkpoints/step_N) adds `state.pt` (optimizer, progress, RNG) and
 `train.json` (TrainConfig). A model directory is written as a set whose config.json lands last, and a
 checkpoint under a temporary name renamed whole, so a kill at any moment leaves the previous version
@@ -11,13 +12,15 @@ loadable (files.py). Nothing is unpickled: weights are safetensors and `state.pt
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import zipfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -33,6 +36,7 @@ from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 CONFIG, WEIGHTS, STATE, TRAIN_CONFIG = "config.json", "model.safetensors", "state.pt", "train.json"
 SEARCH = "search.json"
+LANGUAGES = "languages.json"
 EXPORT_CONFIG = "aiayn_config.json"  # our ModelConfig in an export, beside the other engine's config.json
 CHECKPOINTS = "checkpoints"
 
@@ -109,14 +113,106 @@ def load_weights(model: Transformer, path: str | Path) -> None:
         )
 
 
+# --- Languages ------------------------------------------------------------------------------------
+
+# A language as OPUS-MT's names and tags write one: ISO 639-1 or 639-3 letters, then optionally a script
+# and a region (zh_Hant, pt_br, es_419), joined by "_" or "-". The suffixes keep the case the model uses:
+# a tag must be written exactly as its vocabulary holds it.
+_CODE = re.compile(r"[a-z]{2,3}(?:[_-][A-Za-z]{4})?(?:[_-](?:[A-Za-z]{2}|[0-9]{3}))?")
+CODE_FORM = "two or three lowercase letters, then optionally a script or region: de, deu, pt_br, zh_Hant"
+
+
+def is_language_code(code: object) -> bool:
+    return isinstance(code, str) and _CODE.fullmatch(code) is not None
+
+
+@dataclass(frozen=True)
+class Languages:
+    """What a model translates (languages.json): the languages it reads, those it writes and, for a
+    multilingual OPUS-MT model, the token put in front of a source text to choose each target (>>fr<<).
+    A ValueError names a value that is not a language code."""
+
+    source: tuple[str, ...]  # ("de",)
+    target: tuple[str, ...]  # ("en",)
+    # target -> its tag; empty: the model has none
+    tags: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source", tuple(self.source))
+        object.__setattr__(self, "target", tuple(self.target))
+        object.__setattr__(self, "tags", MappingProxyType(dict(self.tags)))
+        for side, codes in (("source", self.source), ("target", self.target)):
+            if not codes:
+                raise ValueError(f"no {side} language")
+            for code in codes:
+                if not is_language_code(code):
+                    raise ValueError(f"{side} {code!r} is not a language code ({CODE_FORM})")
+            if len(set(codes)) != len(codes):
+                raise ValueError(f"{side} names a language twice: {list(codes)}")
+        if self.tags and set(self.tags) != set(self.target):
+            raise ValueError(
+                f"tags {dict(self.tags)} must name each target language {list(self.target)} once"
+            )
+        for code, tag in self.tags.items():
+            if not isinstance(tag, str) or not tag or tag != tag.strip() or " " in tag:
+                raise ValueError(f"the tag of {code} must be one token (e.g. >>{code}<<), got {tag!r}")
+
+    def __hash__(self) -> int:  # (a mapping has no hash of its own)
+        return hash((self.source, self.target, tuple(sorted(self.tags.items()))))
+
+    def pairs(self) -> tuple[tuple[str, str], ...]:
+        """The (source, target) directions the model serves."""
+        return tuple((s, t) for s in self.source for t in self.target if s != t)
+
+    def prefix(self, target: str) -> str:
+        """What goes in front of a source text to translate it into `target`: its tag and a space, or ""
+        for a model without tags; a ValueError naming the code for a language the model does not write."""
+        if target not in self.target:
+            raise ValueError(f"{target}: not a language the model writes (it translates {self.describe()})")
+        return f"{self.tags[target]} " if self.tags else ""
+
+    def describe(self) -> str:
+        """One line: "de -> en", "en -> de, fr (tags >>de<<, >>fr<<)"."""
+        tags = f" (tags {', '.join(self.tags[t] for t in self.target)})" if self.tags else ""
+        return f"{', '.join(self.source)} -> {', '.join(self.target)}{tags}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": list(self.source), "target": list(self.target), "tags": dict(self.tags)}
+
+
+def save_languages(languages: Languages, path: Path) -> None:
+    path.write_text(json.dumps(languages.to_json(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def load_languages(directory: str | Path) -> Languages | None:
+    """A model directory's languages.json; None where it has none (made before models knew their
+    languages, or by an import that could not tell them); a damaged one is a ValueError naming it."""
+    path = Path(directory) / LANGUAGES
+    if not path.exists():
+        return None
+    values = read_json(path)
+    expected = {"source": list, "target": list, "tags": dict}
+    if set(values) != set(expected) or any(not isinstance(values[k], t) for k, t in expected.items()):
+        raise ValueError(f"{path}: expected source and target (lists of language codes) and tags (code: tag)")
+    try:
+        return Languages(tuple(values["source"]), tuple(values["target"]), values["tags"])
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 # --- Model directories ----------------------------------------------------------------------------
 
 
 def save_model(
-    directory: str | Path, model: Transformer, tokenizer: Tokenizer, search: SearchConfig | None = None
+    directory: str | Path,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    search: SearchConfig | None = None,
+    languages: Languages | None = None,
 ) -> None:
     """Write (or replace) a model directory that Translator.load reads: never a mix of two models.
-    search: the search the model is meant for (search.json); None: none is written (readers use §6.1's)."""
+    search: the search the model is meant for (search.json); None: none is written (readers use §6.1's).
+    languages: what it translates (languages.json); None: none is written (not known)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     files = {WEIGHTS: lambda tmp: write_weights(model, tmp)}
@@ -124,8 +220,11 @@ def save_model(
         files[name] = lambda tmp, data=data: write_contents(tmp, data)
     if search is not None:
         files[SEARCH] = lambda tmp: save_json(search, tmp)
+    if languages is not None:
+        files[LANGUAGES] = lambda tmp: save_languages(languages, tmp)
     files[CONFIG] = lambda tmp: save_json(model.config, tmp)
     stale = tokenizer.stale_files() + (() if search is not None else (SEARCH,))
+    stale += () if languages is not None else (LANGUAGES,)
     write_set(directory, files, last=CONFIG, stale=stale)
 
 
@@ -175,14 +274,15 @@ def _with_weights(config: ModelConfig, directory: Path, device: str | torch.devi
 @dataclass(frozen=True)
 class ModelDir:
     """A model directory read once, where its use begins (translating, serving, exporting, averaging,
-    fine-tuning): its configuration, tokenizer and search, each checked on the way in, and its weights
-    read when a model is asked for. What the directory holds is read here and nowhere else, and what
-    needs it is given this instead of the path."""
+    fine-tuning): its configuration, tokenizer, search and languages, each checked on the way in, and its
+    weights read when a model is asked for. What the directory holds is read here and nowhere else, and
+    what needs it is given this instead of the path."""
 
     path: Path
     config: ModelConfig
     tokenizer: Tokenizer
     search: SearchConfig  # search.json, else §6.1's
+    languages: Languages | None  # languages.json; None: not known
 
     @classmethod
     def read(cls, directory: str | Path | ModelDir) -> ModelDir:
@@ -191,7 +291,8 @@ class ModelDir:
         if isinstance(directory, ModelDir):
             return directory
         directory = Path(directory)
-        return cls(directory, load_model_config(directory), Tokenizer.load(directory), load_search(directory))
+        config, tokenizer = load_model_config(directory), Tokenizer.load(directory)
+        return cls(directory, config, tokenizer, load_search(directory), load_languages(directory))
 
     def model(self, device: str | torch.device = "cpu") -> Transformer:
         """Its model with the weights loaded, in eval mode."""
@@ -220,6 +321,7 @@ def save_checkpoint(
     tokenizer: Tokenizer,
     train_config: TrainConfig,
     state: dict[str, Any],
+    languages: Languages | None = None,
 ) -> Path:
     """Write OUT/checkpoints/step_N as a complete directory, made under a temporary name and renamed."""
     root = Path(out) / CHECKPOINTS
@@ -227,7 +329,7 @@ def save_checkpoint(
     final = root / f"step_{step:08d}"
     # the same step may be saved again (e.g. an interrupt right after a validation): replaced whole
     with staged_dir(final) as tmp:
-        save_model(tmp, model, tokenizer, train_config.search)
+        save_model(tmp, model, tokenizer, train_config.search, languages)
         atomic_write(tmp / TRAIN_CONFIG, lambda p: save_json(train_config, p))
         atomic_write(tmp / STATE, lambda p: torch.save(state, p))
     return final
@@ -292,9 +394,10 @@ def average_checkpoints(directories: list[Path]) -> dict[str, torch.Tensor]:
     if len({m.config for m in models}) > 1:
         raise ValueError(f"checkpoints {[str(d) for d in directories]} have different configs")
     tokenizers = {tuple(sorted(m.tokenizer.files().items())) for m in models}
-    if len(tokenizers) > 1:
+    if len(tokenizers) > 1 or len({m.languages for m in models}) > 1:
         raise ValueError(
-            f"checkpoints {[str(d) for d in directories]} have different tokenizers: they are not one run"
+            f"checkpoints {[str(d) for d in directories]} have different tokenizers or languages: they are "
+            "not one run"
         )
     total: dict[str, torch.Tensor] = {}
     first = directories[0]
@@ -327,7 +430,7 @@ def average(out: str | Path, last: int, dest: str | Path, force: bool = False) -
         check_replaceable(dest, force)
     chosen = checkpoints[-last:]
     last_one = ModelDir.read(chosen[-1])
-    save_model(dest, averaged_model(chosen), last_one.tokenizer, last_one.search)
+    save_model(dest, averaged_model(chosen), last_one.tokenizer, last_one.search, last_one.languages)
     return dest
 
 

@@ -305,6 +305,70 @@ def test_search_json_round_trips_defaults_to_the_papers_and_never_outlives_its_m
         checkpoint.load_search(saved)
 
 
+def test_languages_json_round_trips_and_never_outlives_its_model(saved, tokenizers):
+    """languages.json holds what save_model was given, ModelDir.read gives it back, and a directory saved
+    without languages (or made before they were kept) has none: None, and no file left behind."""
+    model, tokenizer = checkpoint.load_model(saved), tokenizers["joint"]
+    assert not (saved / checkpoint.LANGUAGES).exists() and checkpoint.ModelDir.read(saved).languages is None
+    multilingual = checkpoint.Languages(("en",), ("de", "pt_br", "zh_Hant"),
+                                        {"de": ">>de<<", "pt_br": ">>pt_br<<", "zh_Hant": ">>zh_Hant<<"})  # fmt: skip
+    checkpoint.save_model(saved, model, tokenizer, languages=multilingual)
+    assert json.loads((saved / checkpoint.LANGUAGES).read_text()) == {
+        "source": ["en"],
+        "target": ["de", "pt_br", "zh_Hant"],
+        "tags": {"de": ">>de<<", "pt_br": ">>pt_br<<", "zh_Hant": ">>zh_Hant<<"},
+    }
+    read = checkpoint.ModelDir.read(saved).languages
+    assert read == multilingual and hash(read) == hash(multilingual)
+    assert read.pairs() == (("en", "de"), ("en", "pt_br"), ("en", "zh_Hant"))
+    assert read.prefix("pt_br") == ">>pt_br<< "
+    with pytest.raises(ValueError, match=r"^fr: not a language the model writes \(it translates en -> de, "):
+        read.prefix("fr")
+    with pytest.raises(TypeError):
+        read.tags["fr"] = ">>fr<<"  # frozen, as the dataclass is
+    checkpoint.save_model(saved, model, tokenizer)  # a model saved without them: the old file goes
+    assert not (saved / checkpoint.LANGUAGES).exists() and checkpoint.ModelDir.read(saved).languages is None
+
+
+def test_a_model_without_tags_has_no_prefix_and_serves_its_pairs():
+    languages = checkpoint.Languages(("de", "en"), ("en",), {})
+    assert languages.pairs() == (("de", "en"),)  # (en -> en is no translation)
+    assert languages.prefix("en") == ""
+    with pytest.raises(ValueError, match="^de: not a language the model writes"):
+        languages.prefix("de")
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("{", "not valid JSON"),
+        ('["en"]', "expected a JSON object"),
+        ('{"source": ["en"], "target": ["de"]}', "expected source and target"),
+        ('{"source": "en", "target": ["de"], "tags": {}}', "expected source and target"),
+        ('{"source": ["EN"], "target": ["de"], "tags": {}}', "source 'EN' is not a language code"),
+        ('{"source": ["en"], "target": ["german"], "tags": {}}', "target 'german' is not a language code"),
+        ('{"source": [], "target": ["de"], "tags": {}}', "no source language"),
+        ('{"source": ["en"], "target": ["de", "fr"], "tags": {"de": ">>de<<"}}', "must name each target"),
+        ('{"source": ["en"], "target": ["de"], "tags": {"de": ">> de <<"}}', "must be one token"),
+    ],
+)
+def test_a_damaged_languages_json_is_an_error_naming_it(saved, text, needle):
+    (saved / checkpoint.LANGUAGES).write_text(text)
+    with pytest.raises(
+        ValueError, match=re.escape(str(saved / checkpoint.LANGUAGES)) + ".*" + re.escape(needle)
+    ):
+        checkpoint.ModelDir.read(saved)
+
+
+def test_averaging_keeps_the_languages_of_the_checkpoints(tokenizers, tmp_path):
+    tokenizer, languages = tokenizers["joint"], checkpoint.Languages(("en",), ("xx",), {})
+    for step in (1, 2):
+        model = make_model(tokenizer, True, True, seed=step)
+        checkpoint.save_checkpoint(tmp_path / "run", step, model, tokenizer, TrainConfig(), {}, languages)
+    checkpoint.average(tmp_path / "run", 2, tmp_path / "averaged")
+    assert checkpoint.ModelDir.read(tmp_path / "averaged").languages == languages
+
+
 def test_a_model_directory_is_read_once_where_its_use_begins(saved, tokenizers):
     """ModelDir.read holds what the directory says (the configuration, tokenizer and search that were
     saved) and its model has the saved weights; what is given a ModelDir reads none of that again: with

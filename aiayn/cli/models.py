@@ -89,6 +89,16 @@ def add_import(sub: Any) -> None:
     )
     p.add_argument("--out", required=True, help="model directory to write")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--src-lang",
+        metavar="CODES",
+        help="the languages the model reads, comma-separated (default: from an OPUS-MT name, opus-mt-SRC-TGT)",
+    )
+    p.add_argument(
+        "--tgt-lang",
+        metavar="CODES",
+        help="the languages it writes, comma-separated (default: those of its >>xx<< tags, else from its name)",
+    )
     p.set_defaults(func=cmd_import)
 
 
@@ -97,11 +107,21 @@ def cmd_import(args: argparse.Namespace) -> None:
     from aiayn.interop.huggingface import import_transformers
 
     check_writable_dir(args.out)
-    print(
-        json.dumps(
-            {"source": args.source, "out": str(import_transformers(args.source, args.out, args.force))}
-        )
-    )
+    src, tgt = language_codes("--src-lang", args.src_lang), language_codes("--tgt-lang", args.tgt_lang)
+    out = import_transformers(args.source, args.out, args.force, src, tgt)
+    print(json.dumps({"source": args.source, "out": str(out)}))
+
+
+def language_codes(flag: str, value: str | None) -> tuple[str, ...]:
+    """--src-lang de,fr -> ("de", "fr"); () when the flag is not given."""
+    from aiayn.checkpoint import CODE_FORM, is_language_code
+
+    if value is None:
+        return ()
+    codes = tuple(code.strip() for code in value.split(","))
+    if bad := [code for code in codes if not is_language_code(code)]:
+        raise ValueError(f"{flag} {value}: {bad[0]!r} is not a language code ({CODE_FORM})")
+    return codes
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -115,7 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     order of these checks across torchrun's ranks is the point, and reads best in one place."""
     from aiayn.data.prepare import open_prepared
     from aiayn.training.distributed import Ranks
-    from aiayn.training.run import Run
+    from aiayn.training.run import Run, run_languages
     from aiayn.training.train import train
 
     check_sources(args.train, args.valid)
@@ -186,7 +186,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             settings = {"init": str(Path(args.init).resolve())}  # its vocabulary, not the tokenizer flags
         if bought:  # what the recipe decided its BPE-dropout by
             settings["budget"] = bought
-        result = train(run, model_config, cfg, data, device, settings, ranks, init)
+        languages = run_languages(data, start and start.languages, say if ranks.main else lambda line: None)
+        result = train(run, model_config, cfg, data, device, settings, ranks, init, languages)
         ended = True
     finally:
         ranks.close(together=ended)

@@ -25,6 +25,7 @@ from aiayn.extras import need
 from aiayn.files import check_writable_dir, check_writable_file, write_output
 
 if TYPE_CHECKING:
+    from aiayn.checkpoint import ModelDir
     from aiayn.inference.translate import Translator
 
 
@@ -34,6 +35,12 @@ def add_translate(sub: Any) -> None:
     p.add_argument("--input", help="file or pipe to translate (default and -: stdin)")
     p.add_argument("--output", help="file to write (default stdout)")
     p.add_argument("--n-best", type=int, default=1, help="write N-best lists: index<TAB>score<TAB>text")
+    p.add_argument(
+        "--tgt-lang",
+        metavar="CODE",
+        help="the language to translate into: a multilingual model's tag for it (>>fr<<) goes in front of "
+        "each line (default: none, as the lines are)",
+    )
     encoding_flag(p)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_translate)
@@ -45,8 +52,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
     source = input_path(args.input or STDIN)
     if args.output is not None:
         check_writable_file(args.output)
+    prefix = target_prefix(model, args.tgt_lang)
     translator = load_translator(args, model, search_config)
-    lines = read_lines(source, args.encoding_errors)
+    lines = [prefix + line if line.strip() else line for line in read_lines(source, args.encoding_errors)]
     compile_ahead(args, translator, lines, args.n_best)
     start = time.perf_counter()
     if args.n_best > 1:
@@ -60,6 +68,23 @@ def cmd_translate(args: argparse.Namespace) -> None:
     else:
         sys.stdout.write(as_lines(output))
     say(f"translated {len(lines)} lines in {seconds:.2f} s ({len(lines) / max(seconds, 1e-9):.1f} lines/s)")
+
+
+def target_prefix(model: ModelDir, code: str | None) -> str:
+    """What --tgt-lang CODE puts in front of each source line (Languages.prefix): the model's tag for it,
+    or nothing for a model without tags that writes it; a ValueError for a language it does not write,
+    or for a model whose languages are unknown."""
+    if code is None:
+        return ""
+    if model.languages is None:
+        raise ValueError(
+            f"{model.path}: its languages are unknown (no languages.json), so --tgt-lang {code} cannot be "
+            "checked; leave it out (and write a tag such as >>fr<< in the text where the model needs one)"
+        )
+    try:
+        return model.languages.prefix(code)
+    except ValueError as e:
+        raise ValueError(f"{model.path}: --tgt-lang {e}") from None
 
 
 def compile_ahead(args: argparse.Namespace, translator: Translator, lines: list[str], n_best: int) -> None:

@@ -28,16 +28,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
 
-from aiayn.checkpoint import EXPORT_CONFIG, ModelDir, check_export_out
+from aiayn.checkpoint import (
+    EXPORT_CONFIG,
+    LANGUAGES,
+    Languages,
+    ModelDir,
+    check_export_out,
+    is_language_code,
+    load_languages,
+    save_languages,
+)
 from aiayn.config import ModelConfig, SearchConfig, save_json
 from aiayn.extras import need
 from aiayn.files import staged_dir, write_contents
@@ -381,6 +392,8 @@ def write_transformers(model_dir: ModelDir, directory: Path) -> str:
             ).items():
                 (directory / TARGET_TOKENIZER / name).write_text(text, encoding="utf-8")
     save_json(model.config, directory / AIAYN_CONFIG)
+    if model_dir.languages is not None:  # for the import that brings it back
+        save_languages(model_dir.languages, directory / LANGUAGES)
     if search.beam_size > 1 and search.length_penalty == "gnmt" and search.alpha > 0:
         print(
             f"note: transformers has no GNMT length penalty; generation_config.json divides by |Y|^{search.alpha:g} "
@@ -393,7 +406,8 @@ def write_transformers(model_dir: ModelDir, directory: Path) -> str:
 def export_transformers(model_dir: str | Path | ModelDir, out: str | Path, force: bool = False) -> Path:
     """Write model directory MODEL_DIR as a Hugging Face transformers directory OUT: config.json,
     model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json (and aiayn's
-    config). OUT is made under a temporary name and renamed: a failed export leaves nothing half written."""
+    config, and languages.json where the model has one). OUT is made under a temporary name and renamed: a
+    failed export leaves nothing half written."""
     model_dir, out = ModelDir.read(model_dir), Path(out)
     check_export_out(model_dir.path, out, force)
     with staged_dir(out) as tmp:
@@ -421,7 +435,7 @@ def export_onnx(model_dir: str | Path | ModelDir, out: str | Path, force: bool =
             library_name="transformers",
         )
         vocabulary = ("tokenizer.json", "tokenizer_config.json", *MARIAN_VOCABULARY, MARIAN_TARGET_VOCABULARY)
-        for name in (*vocabulary, AIAYN_CONFIG):
+        for name in (*vocabulary, AIAYN_CONFIG, LANGUAGES):
             if (Path(hf_dir) / name).is_file():  # the fast tokenizer's files, or MarianTokenizer's
                 shutil.copyfile(Path(hf_dir) / name, tmp / name)
         if (Path(hf_dir) / TARGET_TOKENIZER).is_dir():
@@ -772,11 +786,69 @@ def fetch_from_hub(name: str) -> Path:
         ) from None
 
 
-def import_transformers(source: str | Path, out: str | Path, force: bool = False) -> Path:
+# ISO 639-5's language families and groups, and ISO 639-2's "mul": what OPUS-MT names a side of a
+# multilingual model by (opus-mt-tc-big-en-zle, opus-mt-mul-en), never a language it reads or writes.
+LANGUAGE_GROUPS = frozenset(
+    "aav afa alg alv apa aqa aql art ath auf aus awd azc bad bai bat ber bih bnt btk cai cau cba ccn ccs cdc "
+    "cdd cel cmc cpe cpf cpp crp csu cus day dmn dra egx esx euq fiu fox gem gme gmq gmw grk hmx hok hyx iir "
+    "ijo inc ine ira iro itc jpx kar kdo khi kro map mkh mno mun myn nah nai ngf nic nub omq omv oto paa phi "
+    "plf poz pqe pqw pra qwe roa sai sal sdv sem sgn sio sit sla smi son sqj ssa syd tai tbq trk tup tut tuw "
+    "urj wak wen xgn xnd ypk zhx zle zls zlw znd mul".split()
+)
+# Helsinki-NLP's names: opus-mt-SRC-TGT, opus-mt-tc-big-SRC-TGT and the like (the last two fields)
+_OPUS_MT_NAME = re.compile(r"opus-mt-(?:\w+-)*(?P<source>[^-]+)-(?P<target>[^-]+)")
+_TAG = re.compile(r">>(?P<code>.+)<<")  # OPUS-MT's target-language tag, a token of its own
+
+
+def opus_mt_name(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(source, target) languages an OPUS-MT model's name (opus-mt-de-en) gives, () for a side it names by
+    a group (en-ROMANCE, mul-en, en-zle) or for a name of another shape."""
+    match = _OPUS_MT_NAME.fullmatch(name)
+    if match is None:
+        return (), ()
+    codes = [match["source"], match["target"]]
+    source, target = ((c,) if is_language_code(c) and c not in LANGUAGE_GROUPS else () for c in codes)
+    return source, target
+
+
+def import_languages(
+    name: str,
+    tokens: list[str],
+    source: Sequence[str] = (),
+    target: Sequence[str] = (),
+    saved: Languages | None = None,
+) -> Languages | None:
+    """What an imported model translates: the languages given (source, target: --src-lang, --tgt-lang),
+    else those an aiayn export saved (its languages.json), else its OPUS-MT name's (the Hub name or the
+    directory's: name); its targets else the languages of its >>xx<< tags (tokens: its source
+    vocabulary), which choose them. None where the source or the targets stay unknown."""
+    named_source, named_target = opus_mt_name(name)
+    tags = {
+        m["code"]: token for token in tokens if (m := _TAG.fullmatch(token)) and is_language_code(m["code"])
+    }
+    source = tuple(source) or (saved.source if saved else ()) or named_source
+    target = tuple(target) or (saved.target if saved else ()) or tuple(tags) or named_target
+    if not source or not target:
+        return None
+    if tags and (untagged := [code for code in target if code not in tags]):
+        raise ValueError(
+            f"{name}: the model chooses its target language by a tag, and its vocabulary has no tag for "
+            f"{untagged[0]} (its tags: {', '.join(tags.values())})"
+        )
+    return Languages(source, target, {code: tags[code] for code in target} if tags else {})
+
+
+def import_transformers(
+    source: str | Path,
+    out: str | Path,
+    force: bool = False,
+    src_lang: Sequence[str] = (),
+    tgt_lang: Sequence[str] = (),
+) -> Path:
     """Write the Marian model of transformers directory SOURCE (or of a Hub name, fetched first) as an
-    aiayn model directory OUT (config.json, safetensors, tokenizer, search.json), its log-probabilities
-    checked against transformers' first. OUT is made under a temporary name and renamed: a failed import
-    leaves nothing."""
+    aiayn model directory OUT (config.json, safetensors, tokenizer, search.json and, where they are known,
+    languages.json: import_languages), its log-probabilities checked against transformers' first. OUT is
+    made under a temporary name and renamed: a failed import leaves nothing."""
     from aiayn.checkpoint import save_model
     from aiayn.files import check_replaceable
 
@@ -784,7 +856,9 @@ def import_transformers(source: str | Path, out: str | Path, force: bool = False
     check_replaceable(out, force)
     if Path(source).is_dir():
         source = Path(source)
+        name = source.resolve().name
     elif str(source).count("/") == 1 and not Path(source).exists() and not str(source).startswith((".", "/")):
+        name = str(source).split("/")[1]  # (the cache's directory is named otherwise)
         source = fetch_from_hub(str(source))
     else:
         raise ValueError(f"{source}: no such directory, and not a Hub model name (OWNER/NAME)")
@@ -800,6 +874,14 @@ def import_transformers(source: str | Path, out: str | Path, force: bool = False
         raise ValueError(f"{source}: the model's vocabularies ({len(src_order)}, {len(tgt_order)}) are not its "
                          f"tokenizer's {sizes}")  # fmt: skip
     search = generation_search(generation) if generation is not None else SearchConfig()
+    saved = load_languages(source) if (source / AIAYN_CONFIG).is_file() else None  # an aiayn export's
+    languages = import_languages(name, tokenizer.src_tokens(), src_lang, tgt_lang, saved)
     with staged_dir(out) as tmp:
-        save_model(tmp, model, tokenizer, search)
+        save_model(tmp, model, tokenizer, search, languages)
+    if languages is None:
+        print(
+            f"aiayn: the languages of {name} are unknown, so {out} records none (no languages.json); give "
+            "them with --src-lang and --tgt-lang",
+            file=sys.stderr,
+        )
     return out

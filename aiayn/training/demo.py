@@ -12,7 +12,7 @@ from aiayn.data.corpus import Corpus, read_parallel
 from aiayn.data.prepare import MANIFEST, TokenizerOptions, open_prepared, prepare_corpus
 from aiayn.inference.plots import plot_attention, plot_curves
 from aiayn.inference.translate import Translator
-from aiayn.training.run import Run
+from aiayn.training.run import Run, run_languages
 from aiayn.training.train import train
 
 EXAMPLES = (  # not in the generated training data
@@ -55,7 +55,9 @@ def run_demo(out: Path, minutes: float = 2.5) -> dict[str, Any]:
     train_config = TrainConfig(
         max_minutes=minutes, max_tokens=1500, warmup_steps=200, lr_scale=0.5, valid_every=200
     )
-    result = train(run, model_config, train_config, prepared)
+    # en -> xx, as the task's files are named: English, and the invented language under a code that no
+    # language of ISO 639-1 has
+    result = train(run, model_config, train_config, prepared, languages=run_languages(prepared))
     if result.stop.signal is not None:  # Ctrl-C: the run is saved and resumable; no scoring and plots now
         return {"stopped": result.stop.signal, "resume": "run the same command again"}
     model_dir = run.out

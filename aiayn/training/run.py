@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -90,6 +90,7 @@ class Run:
         self.tokenizer: Tokenizer | None = None
         self.scaler: torch.amp.GradScaler | None = None  # fp16: its state goes into every checkpoint
         self.train_config: TrainConfig | None = None
+        self.languages: checkpoint.Languages | None = None  # what its models translate (languages.json)
         self.replaced: Path | None = None  # the run OUT held, set aside until this run has a model
         self.restored = False  # this run ended before its first model and put the replaced one back
         self.identity: tuple[int, int] | None = None  # OUT's (device, inode) once begun: see check_out
@@ -179,14 +180,17 @@ class Run:
         data: Prepared,
         train_config: TrainConfig,
         scaler: torch.amp.GradScaler | None = None,
+        languages: checkpoint.Languages | None = None,
     ) -> Progress:
         """Prepare OUT: a resume checks `settings` against the run's own and loads its last checkpoint
         into model, optimizer and fp16's loss scaler; a replacement sets the old run aside; a corpus
         prepared for this run (staged in OUT) moves to OUT/data. -> Progress.
+        languages: what the run's models translate; a resume keeps those of its last checkpoint.
 
         A replaced run is set aside whole, not removed, until this run has written its first model:
         anything that ends this run before that (an error, a signal) puts it back as it was."""
         self.tokenizer, self.train_config, self.scaler = data.tokenizer, train_config, scaler
+        self.languages = languages
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             self.identity = identity(self.out)
@@ -195,6 +199,7 @@ class Run:
             last = self.last_checkpoint()
             check_settings(self.out, settings, last, self.world)
             saved = checkpoint.load_state(last)
+            self.languages = checkpoint.load_languages(last) or languages  # (none: saved before they were)
             checkpoint.load_weights(model, last / checkpoint.WEIGHTS)
             try:
                 optimizer.load_state_dict(saved["optimizer"])
@@ -289,7 +294,7 @@ class Run:
         if self.scaler is not None:
             payload["scaler"] = self.scaler.state_dict()
         path = checkpoint.save_checkpoint(
-            self.out, state.step, model, self.tokenizer, self.train_config, payload
+            self.out, state.step, model, self.tokenizer, self.train_config, payload, self.languages
         )
         # never pruned: the best one (OUT's model) and those the end of the run averages
         steps = ([state.best_step] if state.best_step >= 0 else []) + state.averaging
@@ -302,8 +307,26 @@ class Run:
         if not self.main:
             return
         self.check_out()
-        checkpoint.save_model(self.out, model, self.tokenizer, self.train_config.search)
+        checkpoint.save_model(self.out, model, self.tokenizer, self.train_config.search, self.languages)
         self.keep_replacement()
+
+
+def run_languages(
+    data: Prepared, start: checkpoint.Languages | None = None, say: Callable[[str], Any] = print
+) -> checkpoint.Languages | None:
+    """What a run's models translate: its corpus's direction (the --src-lang and --tgt-lang that named its
+    files), with the tag by which the model a fine-tuning run starts from (start) chose that target, if
+    it had one. Where the corpus's names are not language codes, start's languages (None without --init),
+    and a line saying so."""
+    src, tgt = data.src_lang, data.tgt_lang
+    if not (checkpoint.is_language_code(src) and checkpoint.is_language_code(tgt)):
+        kept = (
+            f"the model keeps {start.describe()}" if start is not None else "the model records no languages"
+        )
+        say(f"aiayn: {src} -> {tgt} are not language codes ({checkpoint.CODE_FORM}): {kept}")
+        return start
+    tags = {tgt: start.tags[tgt]} if start is not None and tgt in start.tags else {}
+    return checkpoint.Languages((src,), (tgt,), tags)
 
 
 # --- --force: the replaced run set aside until the new one has a model -------------------------------

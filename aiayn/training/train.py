@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.checkpoint import TRAIN_CONFIG, averaged_model, checkpoint_path, load_model
+from aiayn.checkpoint import TRAIN_CONFIG, Languages, averaged_model, checkpoint_path, load_model
 from aiayn.config import ModelConfig, SearchConfig, TrainConfig, read_json
 from aiayn.data.corpus import batch_plan, collate, filter_lengths, make_batches
 from aiayn.data.prepare import Ids, Prepared, collate_ids
@@ -136,14 +136,14 @@ def train(
     settings: dict[str, Any] | None = None,
     ranks: Ranks = ONE,
     init: Mapping[str, Tensor] | None = None,
+    languages: Languages | None = None,
 ) -> Result:
     """Train on a prepared corpus into run.out until a limit, patience or a signal stops it (the Result).
 
     Every stop but a crash ends validated, with OUT holding the best model by validation BLEU (the
     latest without validation data); a signal saves a checkpoint and says which weights OUT holds.
-    settings: what else a resume must share (run.py) than the model, data and languages; ranks: torchrun's
-    processes, `accumulate` micro-batches on each an update; init: weights to start from (starting_model).
-    """
+    settings: what else a resume must share (run.py); ranks: torchrun's processes, `accumulate` micro-batches
+    on each an update; init: weights to start from (starting_model); languages: what it translates."""
     device = device or default_device()
     configure(device)
     cfg = number_format(run, cfg, model_config, device)
@@ -153,7 +153,7 @@ def train(
     model = starting_model(model_config, cfg.seed, init).to(device)
     optimizer = make_optimizer(model, cfg)
     state = run.begin(
-        run_settings(model_config, cfg, data, settings, ranks), model, optimizer, data, cfg, scaler
+        run_settings(model_config, cfg, data, settings, ranks), model, optimizer, data, cfg, scaler, languages
     )
     sizes = {"pairs": len(pairs.keep), "too_long": pairs.too_long, "params": model.num_parameters()}
     run.log.record({"event": "data", **sizes}, echo=True)

@@ -181,3 +181,58 @@ def test_an_imported_model_trains_with_a_finite_loss(tmp_path):
     loss, tokens = train_step(model.train(), make_optimizer(model, cfg), [[torch.randint(4, V, (2, 5)), tgt_in, tgt_out]], 1e-3, cfg)  # fmt: skip
     assert tokens == 14 and torch.isfinite(torch.tensor(loss))
     assert torch.isneginf(model.generator.bias[PAD_ID]) and torch.isfinite(model.generator.bias[1:]).all()
+
+
+def test_opus_mt_names_give_the_languages_groups_do_not():
+    from aiayn.interop.huggingface import opus_mt_name
+
+    assert opus_mt_name("opus-mt-de-en") == (("de",), ("en",))
+    assert opus_mt_name("opus-mt-tc-big-en-fr") == (("en",), ("fr",))
+    assert opus_mt_name("opus-mt-en-pt_br") == (("en",), ("pt_br",))
+    assert opus_mt_name("opus-mt-en-ROMANCE") == (("en",), ())  # a group, not a language
+    assert opus_mt_name("opus-mt-mul-en") == ((), ("en",))
+    assert opus_mt_name("opus-mt-tc-big-zle-en") == ((), ("en",))  # ISO 639-5's East Slavic
+    assert opus_mt_name("my-model") == ((), ())
+
+
+def test_aiayn_import_takes_the_languages_from_the_flags_the_name_or_an_aiayn_export(tmp_path):
+    """A directory named opus-mt-en-de is en -> de, one named otherwise has no languages.json (and a line
+    says how to give them), --src-lang and --tgt-lang win over the name, and an aiayn export of a model
+    with languages brings them back."""
+    import shutil
+
+    from aiayn.checkpoint import LANGUAGES, Languages, ModelDir, save_model
+    from aiayn.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", vocab_size=50)).eval()
+    words = [" ".join(f"w{i}" for i in range(46))]
+    tokenizer = Tokenizer.train(words, words, vocab_size=50, kind="word", min_frequency=1)
+    save_model(tmp_path / "model", model, tokenizer, languages=Languages(("xx",), ("en", "fr")))
+    code, _, err = run_cli(
+        ["export", tmp_path / "model", "--format", "transformers", "--out", tmp_path / "hf"]
+    )
+    assert code == 0, err
+    assert (tmp_path / "hf" / LANGUAGES).is_file()
+    code, _, err = run_cli(["import", tmp_path / "hf", "--out", tmp_path / "back"])
+    assert code == 0, err
+    assert ModelDir.read(tmp_path / "back").languages == Languages(("xx",), ("en", "fr"))
+    (tmp_path / "hf" / LANGUAGES).unlink()
+    shutil.copytree(tmp_path / "hf", tmp_path / "opus-mt-en-de")
+    for source, flags, expected in (
+        ("hf", [], None),
+        ("opus-mt-en-de", [], Languages(("en",), ("de",))),
+        ("opus-mt-en-de", ["--src-lang", "de", "--tgt-lang", "en"], Languages(("de",), ("en",))),
+        ("opus-mt-en-de", ["--tgt-lang", "fr,it"], Languages(("en",), ("fr", "it"))),
+        ("hf", ["--src-lang", "de", "--tgt-lang", "en"], Languages(("de",), ("en",))),
+    ):
+        out = tmp_path / "imports" / f"{source}{''.join(flags)}"
+        code, _, err = run_cli(["import", tmp_path / source, "--out", out, *flags])
+        assert code == 0, err
+        assert ModelDir.read(out).languages == expected, (source, flags)
+        assert (out / LANGUAGES).is_file() == (expected is not None)
+        unknown = f"aiayn: the languages of {source} are unknown, so {out} records none"
+        assert (unknown in err) == (expected is None), err
+    code, _, err = run_cli(["import", tmp_path / "hf", "--out", tmp_path / "refused", "--src-lang", "en,EN"])
+    assert_one_line_error(code, err, "--src-lang en,EN", "'EN' is not a language code")
+    assert not (tmp_path / "refused").exists()

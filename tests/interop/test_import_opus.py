@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import MULTI30K, assert_one_line_error, multi30k_lines, opus_mt_directory, run_cli
 
-from aiayn.checkpoint import load_model, load_search
+from aiayn.checkpoint import Languages, ModelDir, load_model, load_search
 from aiayn.precision import translation_dtype
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
@@ -184,6 +184,7 @@ def test_an_imported_model_translates_fine_tunes_and_exports(opus, tmp_path):
     assert code == 0, err
     tuned = Tokenizer.load(tmp_path / "tuned")
     assert tuned.files() == Tokenizer.load(imported).files()  # the imported vocabulary, as it was
+    assert ModelDir.read(tmp_path / "tuned").languages == Languages(("en",), ("de",))  # the corpus's
     before, after = load_model(imported).state_dict(), load_model(tmp_path / "tuned").state_dict()
     assert any(not torch.equal(before[name], after[name]) for name in before)  # it learned
     assert torch.isneginf(after["generator.bias"][PAD_ID])  # and PAD stays impossible
@@ -197,6 +198,7 @@ def test_an_imported_model_translates_fine_tunes_and_exports(opus, tmp_path):
         code, out, err = run_cli([*argv, "--quiet"] if argv[0] in ("translate", "evaluate") else argv)
         assert code == 0, (argv[0], err)
     assert "bleu" in json.loads(out.splitlines()[-1])
+    assert ModelDir.read(tmp_path / "averaged").languages == Languages(("en",), ("de",))
     code, _, err = run_cli(["export", imported, "--format", "ctranslate2", "--out", tmp_path / "ct2"])
     assert code == 0, err
     ids = Tokenizer.load(imported).encode_src(multi30k_lines("val.en.gz", 10))
@@ -233,3 +235,50 @@ def test_an_imported_model_serves_its_translations_and_attention_and_plots(opus,
     code, _, err = run_cli(["plot", imported, "--sentence", texts[0], "--out", tmp_path / "plots"])
     assert code == 0, err
     assert any(p.suffix == ".png" for p in (tmp_path / "plots").iterdir())
+
+
+def test_a_tag_is_one_token_as_marian_tokenizer_makes_it(opus):
+    """A tag in front of a text (">>fr<< ") is the tag's own id, then the text's pieces: MarianTokenizer's ids."""
+    source, marian, imported = opus
+    tokenizer = Tokenizer.load(imported)
+    pieces, vocab = tokenizer.src_tokens(), json.loads((source / "vocab.json").read_text())
+    for text in (">>fr<< A man sleeps on a bench.", ">>de<< Two dogs."):
+        ours = tokenizer.encode_src([text])[0]
+        assert ours[0] == pieces.index(text[:6]) and ours[-1] == EOS_ID
+        assert [vocab[pieces[i]] for i in ours] == marian([text])["input_ids"][0]  # (aiayn's </s> is its)
+        assert ours[1:] == tokenizer.encode_src([text[7:]])[0]  # the rest as the text alone
+
+
+def test_the_languages_of_a_tagged_opus_mt_model_come_from_its_name_and_its_tags(opus, tmp_path):
+    """Imported from "hf", nothing says what it reads: no languages. Named opus-mt-en-mul, it reads en
+    (its name) and writes de and fr (its >>de<< and >>fr<< tags, which choose them); flags win, and a target
+    without a tag is refused. `translate --tgt-lang fr` is the text with ">>fr<< " written in front."""
+    import shutil
+
+    source, _, imported = opus
+    assert ModelDir.read(imported).languages is None
+    named = shutil.copytree(source, tmp_path / "opus-mt-en-mul")
+    tags = {"de": ">>de<<", "fr": ">>fr<<"}
+    for flags, expected in (
+        ([], Languages(("en",), ("de", "fr"), tags)),
+        (["--tgt-lang", "fr"], Languages(("en",), ("fr",), {"fr": ">>fr<<"})),
+        (["--src-lang", "en,de"], Languages(("en", "de"), ("de", "fr"), tags)),
+    ):
+        out = tmp_path / f"import{''.join(flags)}"
+        code, _, err = run_cli(["import", named, "--out", out, *flags])
+        assert code == 0, err
+        assert ModelDir.read(out).languages == expected, flags
+    code, _, err = run_cli(["import", named, "--out", tmp_path / "refused", "--tgt-lang", "it"])
+    assert_one_line_error(code, err, "opus-mt-en-mul", "no tag for it", ">>de<<, >>fr<<")
+    lines = multi30k_lines("val.en.gz", 3)
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "by_hand.txt").write_text("\n".join(f">>fr<< {line}" for line in lines) + "\n")
+    quick = ["--beam-size", 1, "--no-compile", "--quiet"]
+    code, with_flag, err = run_cli(["translate", tmp_path / "import", "--input", tmp_path / "in.txt",
+                                    "--tgt-lang", "fr", *quick])  # fmt: skip
+    assert code == 0, err
+    code, by_hand, err = run_cli(
+        ["translate", tmp_path / "import", "--input", tmp_path / "by_hand.txt", *quick]
+    )
+    assert code == 0, err
+    assert with_flag == by_hand and len(with_flag.splitlines()) == 3

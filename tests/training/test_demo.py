@@ -28,6 +28,10 @@ def test_the_demo_trains_scores_draws_and_continues(tmp_path, monkeypatch):
     (final,) = [r for r in records if r.get("event") == "final"]  # the figure is the run's own, not a rerun
     kept = final["average"]["bleu"] if final["kept"] == "average" else final["single_bleu"]
     assert result["valid_bleu"] == kept and result["signature"] == final["signature"]
+    # English -> the invented language, by its files' names, in the model and its checkpoints
+    en_xx = checkpoint.Languages(("en",), ("xx",))
+    saved = [tmp_path / "model", *checkpoint.list_checkpoints(tmp_path / "model")]
+    assert all(checkpoint.ModelDir.read(path).languages == en_xx for path in saved)
     first_stop = [r for r in records if r.get("event") == "stop"][-1]["step"]
     assert first_stop > 0 and [r for r in records if "valid_bleu" in r][-1]["step"] == first_stop
     # more time than the run has used (its clock counts validation too, which a GPU's start-up can make
