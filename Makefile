@@ -40,6 +40,7 @@ bench: .venv/.installed-bench
 	$(PY) benchmarks/bench_real.py
 	$(PY) benchmarks/bench_scaling.py --plot docs/scaling.png
 	$(PY) benchmarks/bench_serve.py
+	$(PY) benchmarks/bench_text.py
 
 # On a CUDA machine: the CUDA tests, training, translation and data-pipeline benchmarks against the peers
 # on the GPU, then the suite; logs and figures in runs/gpu-check

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -105,9 +106,10 @@ def sentences(lang: str, split: str = "val") -> list[str]:
 class Server:
     """`aiayn serve MODEL` on a free loopback port, as a subprocess."""
 
-    def __init__(self, model: Path, engine: str, extra: list[str]):
+    def __init__(self, model: Path | list[Path], engine: str, extra: list[str]):
         self.url = f"http://127.0.0.1:{free_port()}"
-        command = [sys.executable, "-m", "aiayn", "serve", str(model), "--port", self.url.rsplit(":", 1)[1],
+        models = [str(m) for m in (model if isinstance(model, list) else [model])]
+        command = [sys.executable, "-m", "aiayn", "serve", *models, "--port", self.url.rsplit(":", 1)[1],
                    "--engine", engine, "--dtype", "fp32", "--threads", "1", *extra]  # fmt: skip
         if engine == "torch":  # the eager server, as these figures measure it (serve compiles by default)
             command.append("--no-compile")
@@ -156,8 +158,15 @@ def probe_health(url: str, seconds: float, out) -> None:
     out.send((latencies, errors))
 
 
-async def load(url: str, texts: list[str], clients: int, seconds: float, max_requests: int) -> dict:
-    """clients concurrent loops of one-sentence requests for `seconds` (or max_requests in all)."""
+def own_body(i: int, text: str) -> dict:
+    return {"text": text}
+
+
+async def load(
+    url: str, texts: list[str], clients: int, seconds: float, max_requests: int, body: Callable = own_body
+) -> dict:
+    """clients concurrent loops of one-sentence requests for `seconds` (or max_requests in all); body(i,
+    text): the i-th request's JSON (aiayn's own by default)."""
     latencies: list[float] = []
     batches: list[int] = []
     statuses: Counter = Counter()
@@ -181,7 +190,7 @@ async def load(url: str, texts: list[str], clients: int, seconds: float, max_req
                 i += 1
                 t0 = time.perf_counter()
                 try:
-                    r = await client.post("/translate", json={"text": text})
+                    r = await client.post("/translate", json=body(i, text))
                 except httpx.HTTPError as e:
                     statuses[type(e).__name__] += 1
                     continue
@@ -262,6 +271,69 @@ def soak(model: Path, args, texts: list[str]) -> dict:
         return result
     finally:
         server.stop()
+
+
+TARGETS = ("en", "fr", "es")  # the three pairs of the many-models mode: one model's weights, three names
+
+
+def pair_dirs(model: Path, src_lang: str) -> list[Path]:
+    """Three model directories of one trained model, each saying it translates another pair
+    (languages.json): what routing costs is then measured with the model's own cost held equal."""
+    import shutil
+
+    from aiayn.checkpoint import LANGUAGES, Languages, save_languages
+
+    root = ROOT / "runs" / "bench_serve" / "pairs"
+    dirs = []
+    for target in TARGETS:
+        directory = root / f"{src_lang}-{target}"
+        if directory.exists():
+            shutil.rmtree(directory)
+        shutil.copytree(
+            model, directory, ignore=shutil.ignore_patterns("checkpoints", "data", "*.log", "runs")
+        )
+        save_languages(Languages((src_lang,), (target,)), directory / LANGUAGES)
+        dirs.append(directory)
+    return dirs
+
+
+def many_models(model: Path, args, texts: list[str]) -> dict:
+    """LibreTranslate's requests (q, source, target) from N clients: to one model served alone, then a
+    mix over three models in one server (each request's target in turn), and the same mix under a memory
+    cap that holds two of the three (every model's turn may load it again)."""
+    dirs = pair_dirs(model, args.src_lang)
+    size_mb = (dirs[0] / "model.safetensors").stat().st_size / (1 << 20)
+    setups = [
+        ("one model", [dirs[0]], [], lambda i, text: {"q": text, "source": args.src_lang, "target": TARGETS[0]}),
+        ("three models", dirs, [], lambda i, text: {"q": text, "source": args.src_lang, "target": TARGETS[i % 3]}),
+        ("three models, room for two", dirs, ["--max-memory-mb", str(int(2 * size_mb) + 1)],
+         lambda i, text: {"q": text, "source": args.src_lang, "target": TARGETS[i % 3]}),
+    ]  # fmt: skip
+    rows = []
+    for name, served, extra, body in setups:
+        server = Server(served, "torch", extra + args.server_args)
+        try:
+            asyncio.run(load(server.url, texts, max(args.clients), 5.0, 10**9, body))  # every model loaded
+            for clients in args.clients:
+                cell = asyncio.run(load(server.url, texts, clients, args.seconds, args.max_requests, body))
+                cell.update(setup=name, rss_mb=round(server.rss_mb(), 1))
+                rows.append(cell)
+                print(json.dumps(cell), flush=True)
+        finally:
+            server.stop()
+    return {"model_mb": round(size_mb, 1), "cells": rows}
+
+
+def many_table(result: dict, clients: list[int]) -> str:
+    lines = ["| setup | clients | sent/s | p50 / p99 ms | vs one model | mean batch | errors | RSS MB |",
+             "|---|---:|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    alone = {c["clients"]: c for c in result["cells"] if c["setup"] == "one model"}
+    for c in result["cells"]:
+        ratio = c["sentences_per_s"] / alone[c["clients"]]["sentences_per_s"]
+        lines.append(f"| {c['setup']} | {c['clients']} | {c['sentences_per_s']:.1f} | {c['p50_ms']:.0f} / "
+                     f"{c['p99_ms']:.0f} | {ratio:.2f}x | {c['mean_batch']:.1f} | {c['errors'] or '-'} | "
+                     f"{c['rss_mb']:.0f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def table(servers: list[dict], clients: list[int]) -> str:
@@ -498,7 +570,11 @@ def main() -> None:
     p.add_argument(
         "--isa", default="native", choices=["native", "avx2"], help="--cold-start: cap every process"
     )
-    p.add_argument("--results", help="--cold-start: write the summary here (docs/ renders it)")
+    p.add_argument(
+        "--many-models", action="store_true",
+        help="measure instead LibreTranslate's requests over three models in one server against one alone",
+    )  # fmt: skip
+    p.add_argument("--results", help="--cold-start, --many-models: write the summary here (docs/ renders it)")
     p.add_argument(
         "--headers-kept",
         action="store_true",
@@ -515,6 +591,14 @@ def main() -> None:
     texts = sentences(args.src_lang)
     load_before = os.getloadavg()[0]
     print(f"{machine()}; load average before: {load_before:.2f}; serving {model}", flush=True)
+    if args.many_models:
+        result = {"machine": machine(), "load_before": load_before, **many_models(model, args, texts)}
+        print()
+        print(many_table(result, args.clients))
+        if args.results:
+            save_results(args.results, result)
+        print(json.dumps(result))
+        return
     servers = [run_server(model, e, b, args, texts) for e in engines for b in (False, True)]
     over = overload(model, args, texts)
     soaked = soak(model, args, texts) if args.soak else None

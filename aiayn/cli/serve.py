@@ -1,4 +1,4 @@
-"""`aiayn serve`: the HTTP API and its page around a model directory."""
+"""`aiayn serve`: the HTTP API (aiayn's and LibreTranslate's) and its page around model directories."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ from aiayn.extras import need
 
 
 def add_serve(sub: Any) -> None:
-    p = sub.add_parser("serve", help="a REST API and a page around a model (FastAPI, uvicorn)")
-    p.add_argument("model", help="model directory (what `aiayn train --out` wrote)")
+    p = sub.add_parser("serve", help="a REST API (LibreTranslate's too) and a page around models (FastAPI)")
+    p.add_argument(
+        "model", nargs="+",
+        help="model directories (what `aiayn train --out` or `aiayn import` wrote), or folders of them: each "
+        "serves its language pair, loaded on first use",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     device_flag(p)
@@ -41,10 +45,8 @@ def add_serve(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     # uvicorn's httptools and uvloop come with the extra too, but it runs without them
     need("aiayn serve", "serve", "fastapi", "uvicorn", "prometheus_client")  # (serve() checks --engine's)
-    from aiayn.checkpoint import ModelDir
     from aiayn.serving.server import serve
 
-    model = ModelDir.read(args.model)  # a model directory, or a clear error before any work
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.threads is not None and args.threads < 1:
@@ -54,5 +56,5 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.compile is None:  # a server compiles in the background from its start; CTranslate2 has no graphs
         args.compile = args.engine == "torch"
     options = inference_options(args)
-    serve(model, config, options, host=args.host, port=args.port, api_key=args.api_key,
+    serve(args.model, config, options, host=args.host, port=args.port, api_key=args.api_key,
           cors_origins=tuple(args.cors_origin))  # fmt: skip

@@ -1,16 +1,16 @@
-"""The HTTP API of `aiayn serve` (FastAPI): /translate, /attention, /health, /info, /metrics and the page.
-Every error is one JSON shape with a machine-readable type: {"error": {"type": ..., "message": ...}}; 4xx
-for the client's mistakes, 503 for overload, never a traceback. The model runs in the worker (worker.py).
+"""The HTTP API of `aiayn serve` (FastAPI): aiayn's own /translate (a body with `text`), /attention,
+/health, /info, /metrics and the page, beside LibreTranslate's API (libre.py) at the paths its clients call.
+aiayn's errors are one JSON shape with a machine-readable type: {"error": {"type": ..., "message": ...}};
+4xx for the client's mistakes, 503 for overload, never a traceback. The models are models.py's, run by the
+worker (worker.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -26,12 +26,25 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import aiayn
-from aiayn.config import SearchConfig, ServeConfig
-from aiayn.inference.search import Hypothesis
+from aiayn.config import InferenceOptions, ServeConfig
 from aiayn.inference.translate import Translator
-from aiayn.inference.warmup import Warmup
 from aiayn.precision import translation_dtype
-from aiayn.serving.worker import STARTING, STOPPED, ApiError, Call, Line, Metrics, Pending, Worker, log
+from aiayn.serving import libre
+from aiayn.serving.models import Loaded, Models, ServedModel, prepared
+from aiayn.serving.service import (
+    Gone,
+    Service,
+    authorized,
+    check_text,
+    check_tokens,
+    new_pending,
+    read_body,
+    route,
+    service_of,
+    through,
+    wait,
+)  # fmt: skip
+from aiayn.serving.worker import STARTING, STOPPED, ApiError, Call, Metrics, Worker, log
 from aiayn.tokenizer import BOS_ID
 
 STATIC = Path(__file__).parent / "static"
@@ -52,36 +65,22 @@ class TranslateRequest(BaseModel):
     text: str | list[str]
     beam_size: int | None = Field(default=None, ge=1)
     n_best: int = Field(default=1, ge=1)
+    model: str | None = None  # a model by its directory's name; or the languages:
+    source: str | None = None
+    target: str | None = None
 
 
 class AttentionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str
-
-
-@dataclass
-class Service:
-    """Everything a request handler needs: the model's translator and the worker that runs it."""
-
-    translator: Translator  # the PyTorch model: attention always, translation with engine "torch"
-    config: ServeConfig
-    worker: Worker
-    metrics: Metrics
-    info: dict[str, Any]
-    warmup: Warmup | None = None  # the compile of the decoding graphs in the background, if there is one
-    closing: bool = False
-
-    def ready(self) -> bool:
-        """Whether /health says ok: the worker is taking jobs, and where the server was told to wait for
-        its compiled graphs (ready_when_compiled), they are in."""
-        if self.warmup is not None and self.config.ready_when_compiled:
-            return self.warmup.progress.state in ("done", "failed")
-        return True
+    model: str | None = None
+    source: str | None = None
+    target: str | None = None
 
 
 def create_app(
-    translator: Translator,
+    served: Translator | Models,
     config: ServeConfig | None = None,
     *,
     engine: Any = None,
@@ -90,26 +89,27 @@ def create_app(
     cors_origins: tuple[str, ...] = (),
     engine_name: str = "torch",
     compile_workers: int = 2,
+    options: InferenceOptions | None = None,
 ) -> FastAPI:
-    """The FastAPI app around a Translator. engine: another translator for /translate (CTranslate2's,
-    with the same translate_ids), the Translator itself when None."""
+    """The FastAPI app around the server's Models (server.py builds them), or around one Translator:
+    then `engine` translates for it when given (CTranslate2's, with the same translate_ids), and its
+    graphs compile in the background when it decodes compiled."""
     config = config or ServeConfig()
     metrics = Metrics()
-    translate = (engine or translator).translate_ids
-    # compiled decoding: the graphs of the default search, for every class of batch the worker makes, are
-    # compiled (or loaded from the store) by worker processes in the background while batches decode
-    # eagerly; each class moves to its graphs when they are in. Another search decodes eagerly, unless an
-    # earlier --compile stored its graphs.
-    warmup = None
-    if engine is None and translator.compiled is not None:
-        default = replace(translator.search_config, beam_size=config.beam_size)
-        warmup = translator.compile_in_background(
-            default, config.batch_sentences, log.warning, compile_workers
-        )
-    worker = Worker(translate, config, metrics, threads)
-    info = describe_service(translator, config, engine_name)
-    service = Service(translator, config, worker, metrics, info, warmup)
-    metrics.follow(warmup)
+    if isinstance(served, Translator):
+        translator = served
+        options = options or InferenceOptions(device=str(translator.device), dtype=translator.dtype,
+                                              engine="ctranslate2" if engine is not None else "torch")  # fmt: skip
+        loaded = (
+            Loaded("model", translator, engine) if engine is not None
+            else prepared("model", translator, options, config, compile_workers)
+        )  # fmt: skip
+        served = Models([ServedModel("model", None, 0, loaded)], lambda model: loaded, 1, metrics)
+    served.metrics = metrics
+    options = options or InferenceOptions()
+    worker = Worker(config, metrics, threads)
+    info = describe_server(served, config, engine_name, options)
+    service = Service(served, config, worker, metrics, info, api_key)
     app = FastAPI(title="aiayn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.add_middleware(Edge, metrics=metrics, api_key=api_key)
@@ -120,12 +120,15 @@ def create_app(
     app.add_exception_handler(Exception, bug)  # a bug: logged by the server, never shown to the client
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Gone, client_gone)
     app.add_api_route("/translate", translate_endpoint, methods=["POST"])
     app.add_api_route("/attention", attention_endpoint, methods=["POST"])
+    app.add_api_route("/detect", libre.detect_endpoint, methods=["POST"])
     for path, endpoint in (
         ("/health", health),
         ("/info", info_endpoint),
         ("/metrics", metrics_endpoint),
+        ("/languages", libre.languages_endpoint),
         ("/", page),
     ):
         app.add_api_route(path, endpoint, methods=["GET"])
@@ -133,59 +136,74 @@ def create_app(
     return app
 
 
-def describe_service(translator: Translator, config: ServeConfig, engine_name: str) -> dict[str, Any]:
-    """What /info says: the version, the engine, device and number format, the model's shape, the default
-    search and the limits."""
-    model = translator.model
+def describe_server(models: Models, config: ServeConfig, engine_name: str, options: InferenceOptions) -> dict:
+    """What /info says of the server: the version, the engine, device and number format, the limits."""
+    first = next((m.loaded.translator for m in models.served if m.loaded is not None), None)
+    if first is not None:
+        device, dtype = first.device, translation_dtype(first.dtype, first.device)
+    else:
+        from aiayn.precision import resolve_device
+
+        device = resolve_device(options.device)
+        dtype = translation_dtype(options.dtype, device)
     return {
         "version": aiayn.__version__,
         "engine": engine_name,
-        "device": str(translator.device),
-        "dtype": translation_dtype(translator.dtype, translator.device),
-        "model": {
-            "parameters": sum(p.numel() for p in translator.model.parameters()),
-            **{
-                k: getattr(model.config, k)
-                for k in (
-                    "d_model",
-                    "d_ff",
-                    "n_heads",
-                    "n_encoder_layers",
-                    "n_decoder_layers",
-                    "src_vocab_size",
-                    "tgt_vocab_size",
-                    "norm",
-                    "positions",
-                )
-            },
-        },  # fmt: skip
-        "search": {
-            "beam_size": config.beam_size,
-            "alpha": translator.search_config.alpha,
-            "length_penalty": translator.search_config.length_penalty,
-        },
+        "device": str(device),
+        "dtype": dtype,
         "limits": {k: v for k, v in vars(config).items() if k.startswith(("max_", "timeout", "batch_"))},
     }
 
 
+SHAPE = ("d_model", "d_ff", "n_heads", "n_encoder_layers", "n_decoder_layers", "src_vocab_size",
+         "tgt_vocab_size", "norm", "positions")  # fmt: skip
+
+
+def describe_model(model: ServedModel, config: ServeConfig) -> dict[str, Any]:
+    """What /info says of a model: its name, languages, state, shape, default search and compile."""
+    loaded = model.loaded
+    translator = loaded.translator if loaded is not None else None
+    model_config = (
+        translator.model.config if translator is not None else model.model_dir.config  # type: ignore[union-attr]
+    )
+    search = translator.search_config if translator is not None else model.model_dir.search  # type: ignore[union-attr]
+    languages = model.languages
+    described: dict[str, Any] = {
+        "name": model.name,
+        "languages": None
+        if languages is None
+        else {"source": list(languages.source), "target": list(languages.target)},  # fmt: skip
+        "state": model.state(),
+        "memory_mb": round(model.charge / (1 << 20), 1),
+        "model": {k: getattr(model_config, k) for k in SHAPE},
+        "search": {
+            "beam_size": config.beam_size,
+            "alpha": search.alpha,
+            "length_penalty": search.length_penalty,
+        },
+    }
+    if translator is not None:
+        described["model"]["parameters"] = sum(p.numel() for p in translator.model.parameters())
+    if model.error is not None:
+        described["error"] = model.error
+    if loaded is not None and loaded.warmup is not None:
+        described["compiled"] = loaded.warmup.progress.as_dict()
+    return described
+
+
 # --- The handlers: each finds the app's Service in request.app.state ------------------------------------
-
-
-def service_of(request: Request) -> Service:
-    return request.app.state.service
 
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     service = app.state.service
     service.worker.start()
-    if service.warmup is not None:
-        service.warmup.start()
+    service.models.start()
     yield
     service.closing = True  # new requests get 503; those queued are answered
     loop = asyncio.get_running_loop()
-    if service.warmup is not None:  # first, and at once: the workers' compiles are of no use now
-        await loop.run_in_executor(None, service.warmup.stop)
+    # first, and at once: the compiles in the background are of no use now
+    await loop.run_in_executor(None, service.models.stop)
     await loop.run_in_executor(None, service.worker.stop, service.config.timeout_s)
 
 
@@ -194,6 +212,7 @@ async def api_error(request: Request, e: ApiError) -> JSONResponse:
 
 
 async def bug(request: Request, e: Exception) -> JSONResponse:
+    log.error("a bug answered 500: %r", e, exc_info=e)
     return error_response(ApiError(500, "internal", "internal error"), service_of(request).metrics)
 
 
@@ -206,44 +225,78 @@ async def validation_error(request: Request, e: RequestValidationError) -> JSONR
     return error_response(ApiError(422, "invalid_request", describe(e.errors())), service_of(request).metrics)
 
 
+async def client_gone(request: Request, e: Gone) -> Response:
+    return e.response
+
+
 async def translate_endpoint(request: Request) -> Response:
+    """aiayn's own request (a JSON body with `text`: each line translated as it is), or LibreTranslate's
+    (`q`, as JSON, a form or the query string: documents split into sentences)."""
     service = service_of(request)
-    config, translator = service.config, service.translator
-    body = await parse(request, TranslateRequest, service)
+    body = await read_body(request, service)
+    if not libre.is_libre(request, body):
+        return await own_translate(request, service, body)
+    return await libre.translate(request, service, body)
+
+
+async def own_translate(request: Request, service: Service, raw: bytes) -> Response:
+    config = service.config
+    check_key(request, service)
+    body = validated(raw, TranslateRequest)
     texts = [body.text] if isinstance(body.text, str) else body.text
     if len(texts) > config.max_texts:
         raise ApiError(
             413, "too_many_texts", f"{len(texts)} texts in one request; the limit is {config.max_texts}"
         )
-    search = search_config(body, service)
-    lines, jobs = [], []
-    pending = new_pending(request, service, lines)
     for t, text in enumerate(texts):
         check_text(text, service, f"text {t + 1}")
+    lines, sentences = [], []
+    for t, text in enumerate(texts):
         for line in text.split("\n"):
-            ids = translator.tokenizer.encode_src([line])[0]
-            check_tokens(ids, service, f"text {t + 1}")
             lines.append(t)
-            jobs.append(Line(ids, search, pending, len(jobs), time.monotonic()))
-    pending.lines = len(jobs)
-    if not jobs:
-        return JSONResponse({"translations": []})
-    results = await wait(request, pending, lambda: service.worker.submit(jobs), service)
-    return translation_response(results, lines, len(texts), body.n_best, translator, pending.batch_size)
+            sentences.append(line)
+    hops = route(service, body.model, body.source, body.target)
+    results, batch_size = await through(request, service, hops, sentences, body.beam_size, body.n_best)
+    per_text: list[list[list[tuple[str, float]]]] = [[] for _ in texts]
+    for index, text in enumerate(lines):
+        per_text[text].append(results[index])
+    translations, alternatives = [], []
+    for of_lines in per_text:
+        translations.append("\n".join(n_best[0][0] for n_best in of_lines))
+        if body.n_best > 1:  # the k-th alternative of a text: the k-th of each of its lines
+            k_max = min(len(n_best) for n_best in of_lines)
+            alternatives.append([
+                {"text": "\n".join(n_best[k][0] for n_best in of_lines),
+                 "score": sum(n_best[k][1] for n_best in of_lines)}
+                for k in range(k_max)
+            ])  # fmt: skip
+    payload: dict[str, Any] = {"translations": translations}
+    if body.n_best > 1:
+        payload["n_best"] = alternatives
+    if len(hops) > 1:
+        payload["pivot"] = hops[0].target
+    return JSONResponse(payload, headers={"X-Batch-Size": str(batch_size)})
 
 
 async def attention_endpoint(request: Request) -> Response:
     service = service_of(request)
-    translator = service.translator
-    body = await parse(request, AttentionRequest, service)
+    body = validated(await read_body(request, service), AttentionRequest)
     if "\n" in body.text.strip() or not body.text.strip():
         raise ApiError(400, "invalid_request", "/attention takes one sentence: one non-empty line")
     check_text(body.text, service, "text")
-    ids = translator.tokenizer.encode_src([body.text])[0]
-    check_tokens(ids, service, "text")
-    pending = new_pending(request, service, [0])
-    job = Call(lambda: attention(translator, ids), pending)
-    return JSONResponse(await wait(request, pending, lambda: service.worker.submit([job]), service))
+    hops = route(service, body.model, body.source, body.target)
+    if len(hops) > 1:
+        raise ApiError(
+            400, "invalid_request", "attention is of one model: no model translates this pair alone"
+        )
+    hop = hops[0]
+    async with service.models.using(hop.model) as loaded:
+        translator = loaded.translator
+        ids = translator.tokenizer.encode_src([hop.model.prefix(hop.target) + body.text])[0]
+        check_tokens(ids, service, "text")
+        pending = new_pending(request, service, 1)
+        job = Call(lambda: attention(translator, ids), pending, loaded)
+        return JSONResponse(await wait(request, pending, lambda: service.worker.submit([job]), service))
 
 
 async def health(request: Request) -> Response:
@@ -258,10 +311,13 @@ async def health(request: Request) -> Response:
 
 
 async def info_endpoint(request: Request) -> Response:
+    """The server, and each of its models; a server of one model also says that model's at the top."""
     service = service_of(request)
-    if service.warmup is None:
-        return JSONResponse(service.info)
-    return JSONResponse({**service.info, "compiled": service.warmup.progress.as_dict()})
+    models = [describe_model(m, service.config) for m in service.models.served]
+    info = {**service.info, "models": models}
+    if len(models) == 1:
+        info.update({k: v for k, v in models[0].items() if k in ("model", "search", "compiled")})
+    return JSONResponse(info)
 
 
 async def metrics_endpoint(request: Request) -> Response:
@@ -302,7 +358,10 @@ class Edge:
             await send(message)
 
         try:
-            if self.api_key and endpoint in PROTECTED and not authorized(headers, self.api_key):
+            # /translate and /detect: a key in the Authorization header is checked here, before the body
+            # is read; LibreTranslate's in the body, by the handler
+            guarded = endpoint in PROTECTED or (endpoint in BODY_KEYS and "authorization" in headers)
+            if self.api_key and guarded and not authorized(headers, self.api_key):
                 error = ApiError(401, "unauthorized", "a valid API key is needed: Authorization: Bearer KEY",
                                  {"WWW-Authenticate": "Bearer"})  # fmt: skip
                 await error_response(error, self.metrics)(scope, receive_tracked, send_with_headers)
@@ -333,13 +392,10 @@ async def drain(receive: Callable, body_done: list[bool]) -> None:
         await asyncio.wait_for(read(), DRAIN_SECONDS)
 
 
-ENDPOINTS = ("/translate", "/attention", "/health", "/info", "/metrics", "/")
-PROTECTED = ("/translate", "/attention", "/info", "/metrics")
-
-
-def authorized(headers: Headers, api_key: str) -> bool:
-    given = headers.get("authorization", "")
-    return given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())
+ENDPOINTS = ("/translate", "/attention", "/detect", "/languages", "/health", "/info", "/metrics", "/")
+# (/translate and /detect check their keys themselves: LibreTranslate's clients send theirs in the body)
+PROTECTED = ("/attention", "/info", "/metrics")
+BODY_KEYS = ("/translate", "/detect")
 
 
 def error_response(e: ApiError, metrics: Metrics) -> JSONResponse:
@@ -356,100 +412,19 @@ def describe(errors: list[dict[str, Any]]) -> str:
     )
 
 
-async def parse(request: Request, model: type[BaseModel], service: Service) -> Any:
-    """The JSON body, within the size limit, as `model` (unknown fields refused)."""
-    if service.closing:
-        raise ApiError(503, "shutting_down", "the server is shutting down", {"Retry-After": "1"})
-    limit = service.config.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "too_large", f"the request body has {declared} bytes; the limit is {limit}")
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, "too_large", f"the request body has more than {limit} bytes")
+def validated(body: bytes, model: type[BaseModel]) -> Any:
+    """A JSON body as `model` (unknown fields refused)."""
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
         raise ApiError(422, "invalid_request", describe(e.errors())) from None
 
 
-def search_config(body: TranslateRequest, service: Service) -> SearchConfig:
-    config = service.config
-    beam = body.beam_size or config.beam_size
-    if beam > config.max_beam or body.n_best > config.max_beam:
-        raise ApiError(422, "invalid_request", f"beam_size and n_best are at most {config.max_beam}")
-    return replace(service.translator.search_config, beam_size=beam).with_n_best(body.n_best)
-
-
-def check_text(text: str, service: Service, what: str) -> None:
-    limit = service.config.max_chars
-    if len(text) > limit:
-        raise ApiError(413, "too_long", f"{what} has {len(text)} characters; the limit is {limit}")
-
-
-def check_tokens(ids: list[int], service: Service, what: str) -> None:
-    limit = service.config.max_tokens
-    if len(ids) - 1 > limit:
-        raise ApiError(413, "too_long", f"a line of {what} has {len(ids) - 1} tokens; the limit is {limit}")
-
-
-def new_pending(request: Request, service: Service, lines: list[int]) -> Pending:
-    loop = asyncio.get_running_loop()
-    return Pending(len(lines), time.monotonic() + service.config.timeout_s, loop.create_future(), loop)
-
-
-async def wait(request: Request, pending: Pending, submit: Callable[[], None], service: Service) -> Any:
-    """Queue the request's work and wait for its answer, its deadline, or its client to go."""
-    submit()
-    watcher = asyncio.create_task(gone(request))
-    try:
-        done, _ = await asyncio.wait(
-            {pending.done, watcher}, timeout=service.config.timeout_s + 1, return_when=asyncio.FIRST_COMPLETED
-        )
-    finally:
-        watcher.cancel()
-    if pending.done in done:
-        return pending.done.result()  # an ApiError raised by the worker comes out here
-    pending.gone = True  # the worker drops what is left of it
-    if watcher in done:
-        return Response(status_code=499)  # nobody is listening; nginx's code for it
-    service.metrics.failures.labels("timeout").inc()
-    raise ApiError(503, "timeout", "the request timed out", {"Retry-After": "1"})
-
-
-async def gone(request: Request) -> None:
-    """Returns when the client disconnects: once the body is read, the next ASGI message is the
-    disconnect (no polling: 64 waiting requests polling 20 times a second took a quarter of the
-    event loop's time)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def translation_response(
-    results: Any, lines: list[int], n_texts: int, n_best: int, translator: Translator, batch_size: int
-) -> Response:
-    if isinstance(results, Response):
-        return results
-    decode = translator.tokenizer.decode_tgt
-    per_text: list[list[list[Hypothesis]]] = [[] for _ in range(n_texts)]
-    for index, text in enumerate(lines):
-        per_text[text].append(results[index])
-    translations, alternatives = [], []
-    for hyps_of_lines in per_text:
-        translations.append("\n".join(decode([h[0].tokens for h in hyps_of_lines])))
-        if n_best > 1:  # the k-th alternative of a text: the k-th of each of its lines
-            k_max = min(len(h) for h in hyps_of_lines)
-            alternatives.append([
-                {"text": "\n".join(decode([h[k].tokens for h in hyps_of_lines])),
-                 "score": sum(h[k].score for h in hyps_of_lines)}
-                for k in range(k_max)
-            ])  # fmt: skip
-    payload: dict[str, Any] = {"translations": translations}
-    if n_best > 1:
-        payload["n_best"] = alternatives
-    return JSONResponse(payload, headers={"X-Batch-Size": str(batch_size)})
+def check_key(request: Request, service: Service) -> None:
+    """aiayn's own requests give the key as Authorization: Bearer KEY (LibreTranslate's, in api_key)."""
+    if service.api_key and not authorized(request.headers, service.api_key):
+        raise ApiError(401, "unauthorized", "a valid API key is needed: Authorization: Bearer KEY",
+                       {"WWW-Authenticate": "Bearer"})  # fmt: skip
 
 
 def attention(translator: Translator, ids: list[int]) -> dict[str, Any]:

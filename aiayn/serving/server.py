@@ -1,5 +1,5 @@
-"""`aiayn serve`: load a model, export it for CTranslate2 when asked, and run the app (app.py) under
-uvicorn on a socket bound before the model loads.
+"""`aiayn serve`: read the model directories, load the first (a server of one model) or wait for requests
+(of many), and run the app (app.py) under uvicorn on a socket bound before any model loads.
 """
 
 from __future__ import annotations
@@ -7,23 +7,22 @@ from __future__ import annotations
 import gc
 import os
 import socket
-from contextlib import nullcontext
-from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
 
-from aiayn.checkpoint import ModelDir
+from aiayn.checkpoint import CONFIG, ModelDir
 from aiayn.config import InferenceOptions, ServeConfig
 from aiayn.extras import need
 from aiayn.files import check_writable_dir
 from aiayn.inference.compiled import stored
 from aiayn.inference.translate import Translator
-from aiayn.precision import translation_dtype
 from aiayn.serving.app import create_app
+from aiayn.serving.models import Models, ServedModel, charge_of, default_cap, loader
 from aiayn.serving.worker import log
 
 
 def serve(
-    model_dir: str | Path | ModelDir,
+    model_dirs: str | Path | ModelDir | Sequence[str | Path | ModelDir],
     config: ServeConfig,
     options: InferenceOptions,
     *,
@@ -32,52 +31,32 @@ def serve(
     api_key: str | None = None,
     cors_origins: tuple[str, ...] = (),
 ) -> None:
-    """Load the model and serve it until Ctrl-C or SIGTERM (then what is queued is answered first)."""
-    import tempfile
-
+    """Serve the models until Ctrl-C or SIGTERM (then what is queued is answered first). A folder of model
+    directories stands for them all; a directory that is no model is refused with its reason and the others
+    are served (a ValueError when none is left)."""
     import uvicorn
 
-    if options.engine == "ctranslate2":  # before the port and the model
+    if options.engine == "ctranslate2":  # before the port and the models
         need("--engine ctranslate2", "ctranslate2", "ctranslate2")
-    listener = listen(host, port)  # before the model loads: a port in use is said at once
-    model_dir = ModelDir.read(model_dir)
-    search = replace(model_dir.search, beam_size=config.beam_size)  # alpha, penalty: the model's
-    engine = options.engine
-    if engine == "ctranslate2" and search.length_penalty != "average":  # CTranslate2 has only that one
-        search = replace(search, length_penalty="average")
-        log.warning("--engine ctranslate2: beams use the average length penalty, score / |Y|^alpha")
+    if options.engine == "ctranslate2" and options.compile:
+        options = InferenceOptions(**{**vars(options), "compile": False})  # CTranslate2 has no graphs
+    listener = listen(host, port)  # before the models load: a port in use is said at once
     try:
-        translator = Translator.load(model_dir, search, options)
-        if engine == "torch":
-            check_store(translator)
+        models = read_models(model_dirs, config, options)
+        if len(models.served) == 1:  # loaded now: its errors are the command's, its first answer fast
+            models.preload()
+            loaded = models.served[0].loaded
+            if loaded is not None and options.engine == "torch":
+                check_store(loaded.translator)
     except BaseException:
         listener.close()
         raise
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it", host)
-    # the export's directory only for the engine that reads it: a server stopped by SIGKILL leaves its
-    # temporary directory behind
-    scratch_dir = (
-        tempfile.TemporaryDirectory(prefix="aiayn-ct2-") if engine == "ctranslate2" else nullcontext()
-    )
-    with listener, scratch_dir as scratch:
-        other = None
-        if engine == "ctranslate2":  # the exported model translates; attention stays with PyTorch
-            from aiayn.interop.ctranslate2 import CTranslate2Translator, export_ctranslate2
-
-            compute = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
-            kind = translation_dtype(options.dtype, translator.device)
-            export_ctranslate2(model_dir, Path(scratch) / "ct2")
-            other = CTranslate2Translator(
-                Path(scratch) / "ct2", search, device=translator.device.type, compute_type=compute[kind],
-                threads=options.threads or 0,
-            )  # fmt: skip
-        # the graphs compile in worker processes (two on a CPU of two cores or more), beside the one that
-        # answers (create_app)
-        workers = max(1, min(2, os.cpu_count() or 1))
+    with listener:
         app = create_app(
-            translator, config, engine=other, threads=options.threads, api_key=api_key, cors_origins=cors_origins,
-            engine_name=engine, compile_workers=workers,
+            models, config, threads=options.threads, api_key=api_key, cors_origins=cors_origins,
+            engine_name=options.engine, options=options,
         )  # fmt: skip
         # Everything loaded so far (torch, the model, CTranslate2's converters: a quarter of a million
         # objects) lives as long as the server: out of the cyclic GC's sight, whose full collections over
@@ -87,7 +66,55 @@ def serve(
         settings = uvicorn.Config(
             app, log_level="warning", timeout_graceful_shutdown=int(config.timeout_s) + 5
         )
-        uvicorn.Server(settings).run(sockets=[listener])
+        try:
+            uvicorn.Server(settings).run(sockets=[listener])
+        finally:
+            models.stop()
+
+
+def model_paths(given: Sequence[str | Path | ModelDir]) -> list[Path | ModelDir]:
+    """The model directories given, a folder of model directories standing for the ones it holds."""
+    paths: list[Path | ModelDir] = []
+    for item in given:
+        if isinstance(item, ModelDir):
+            paths.append(item)
+            continue
+        path = Path(item)
+        inner = sorted(d for d in path.iterdir() if (d / CONFIG).is_file()) if path.is_dir() else []
+        paths.extend(inner if inner and not (path / CONFIG).is_file() else [path])
+    return paths
+
+
+def read_models(
+    given: str | Path | ModelDir | Sequence[str | Path | ModelDir],
+    config: ServeConfig,
+    options: InferenceOptions,
+) -> Models:
+    """The server's Models: each directory read once (its languages with it), none loaded yet."""
+    if isinstance(given, (str, Path, ModelDir)):
+        given = [given]
+    paths = model_paths(given)
+    served, refused = [], []
+    for path in paths:
+        try:
+            model_dir = ModelDir.read(path)
+            served.append(ServedModel(model_dir.path.name, model_dir, charge_of(model_dir, options)))
+        except (ValueError, OSError) as e:
+            if len(paths) == 1:
+                raise
+            refused.append(f"{path}: {e}")
+            log.warning("not served: %s", e if str(path) in str(e) else f"{path}: {e}")
+    if not served:
+        raise ValueError(f"no model to serve: {'; '.join(refused)}")
+    unknown = [m.name for m in served if m.languages is None]
+    if unknown and len(served) > 1:
+        log.warning(
+            "the languages of %s are unknown (a directory of an older version): requests name them by "
+            "model; `aiayn import --src-lang/--tgt-lang` or training with them records them", ", ".join(unknown)
+        )  # fmt: skip
+    workers = max(1, min(2, os.cpu_count() or 1))  # the graphs compile in processes beside the answering one
+    cap = config.max_memory_mb << 20 if config.max_memory_mb else default_cap()
+    return Models(served, loader(options, config, workers), cap)
 
 
 def check_store(translator: Translator) -> None:
@@ -125,4 +152,4 @@ def listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-__all__ = ["serve", "listen"]
+__all__ = ["serve", "listen", "read_models"]

@@ -1,20 +1,20 @@
-"""The one thread that calls the model in `aiayn serve`, and what it works on: requests cut into lines,
-batched across requests up to a token budget and a line count (waiting a few milliseconds when the
-queue is short), other model calls (attention) in turn, a bounded queue, and the server's metrics. A line
-whose client has gone or whose deadline has passed is dropped untranslated.
+"""The one thread that calls the models in `aiayn serve`, and what it works on: requests cut into
+sentences, batched per model across requests up to a token budget and a line count (waiting a few
+milliseconds when a model's queue is short), the models taken in turn, other model calls (attention) in
+their model's turn, a bounded queue, and the server's metrics. A line whose client has gone or whose
+deadline has passed is dropped untranslated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,9 +34,17 @@ class ApiError(Exception):
         self.status, self.kind, self.message, self.headers = status, kind, message, headers or {}
 
 
+class Translates(Protocol):
+    """What a job's model offers the worker: the translator's (or CTranslate2's) translate_ids."""
+
+    name: str
+
+    def translate_ids(self, ids: list[list[int]], search_config: SearchConfig) -> list[list[Hypothesis]]: ...
+
+
 @dataclass
 class Pending:
-    """One /translate request in the worker's hands: its lines' hypotheses as they come."""
+    """One request's work in the worker's hands: its lines' hypotheses as they come."""
 
     lines: int
     deadline: float  # time.monotonic()
@@ -61,21 +69,23 @@ class Pending:
 
 @dataclass
 class Line:
-    """One line to translate: the worker's unit of batching."""
+    """One line (a sentence) to translate with one model: the worker's unit of batching."""
 
     ids: list[int]  # source ids, EOS-terminated
     search: SearchConfig
     pending: Pending
     index: int  # which line of the request
     queued: float  # time.monotonic() when it was queued
+    model: Translates
 
 
 @dataclass
 class Call:
-    """Any other model call (attention): run by the worker in its turn."""
+    """Any other model call (attention): run by the worker in its model's turn."""
 
     run: Callable[[], Any]
     pending: Pending
+    model: Any = None  # whose turn it waits for (None: a turn of its own)
 
 
 STOP = object()
@@ -104,15 +114,19 @@ STARTING = (
 
 
 class Worker:
-    """The one thread that calls the model: lines batched across requests, and other calls in turn."""
+    """The one thread that calls the models: each model's lines batched across requests, the models with
+    work taken in turn (fair: a model waits at most one batch of each other model), other calls in their
+    model's turn. One thread for all models, as the machine's cores are the models' to share: two threads
+    would each run PyTorch's threads on the same cores."""
 
-    def __init__(self, translate: Callable[[list[list[int]], SearchConfig], list[list[Hypothesis]]],
-                 config: ServeConfig, metrics: Metrics, threads: int | None):  # fmt: skip
-        self.translate, self.config, self.metrics, self.threads = translate, config, metrics, threads
-        self.queue: queue.Queue = queue.Queue()
-        self.waiting = 0  # lines queued and not yet taken: what the queue limit counts
-        self.lock = threading.Lock()
-        self.backlog: deque = deque()  # taken from the queue but left for the next batch
+    def __init__(self, config: ServeConfig, metrics: Metrics, threads: int | None):
+        self.config, self.metrics, self.threads = config, metrics, threads
+        self.lock = threading.Condition()
+        # jobs by model, the dict's order the turns': a model's queue goes to the back when it has its
+        # turn, and leaves when it is empty (an unloaded model leaves nothing behind)
+        self.queues: dict[Any, deque] = {}
+        self.waiting = 0  # jobs queued and not yet taken: what the queue limit counts
+        self.stopping = False
         self.thread = threading.Thread(target=self.run, name="aiayn-model", daemon=True)
         self.alive = True
         self.current: list[Line | Call] = []  # what the worker has in hand
@@ -131,25 +145,62 @@ class Worker:
                     503, "overloaded", f"{self.waiting} lines are waiting (the limit is {self.config.max_queue})",
                     {"Retry-After": "1"},
                 )  # fmt: skip
-            self.waiting += len(jobs)
-            self.metrics.queue.set(self.waiting)
-        for job in jobs:
-            self.queue.put(job)
+            for job in jobs:
+                self.queues.setdefault(job.model, deque()).append(job)
+            self._count(len(jobs))
+            self.lock.notify()
 
     def stop(self, timeout: float) -> None:
         """Answer what is queued, then end; what is still not answered after `timeout` gets 503."""
-        self.queue.put(STOP)
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
         self.thread.join(timeout)
 
-    def take(self, block: bool, timeout: float | None = None) -> Any:
-        if self.backlog:
-            return self.backlog.popleft()
-        job = self.queue.get(block, timeout)
-        if isinstance(job, (Line, Call)):
-            with self.lock:
-                self.waiting -= 1
-                self.metrics.queue.set(self.waiting)
+    def _count(self, change: int) -> None:  # (under the lock)
+        self.waiting += change
+        self.metrics.queue.set(self.waiting)
+
+    def _pop(self, model: Any) -> Line | Call:  # (under the lock; the model's queue is not empty)
+        queue = self.queues[model]
+        job = queue.popleft()
+        if not queue:
+            del self.queues[model]
+        self._count(-1)
         return job
+
+    def take(self, block: bool) -> Any:
+        """The next model's first job, that model going to the back of the turns; STOP once stopping with
+        nothing queued; None when nothing is queued and not block."""
+        with self.lock:
+            while not self.queues:
+                if self.stopping:
+                    return STOP
+                if not block:
+                    return None
+                self.lock.wait()
+            model = next(iter(self.queues))
+            self.queues[model] = self.queues.pop(model)
+            return self._pop(model)
+
+    def more(self, model: Any, until: float) -> Line | Call | None:
+        """The model's next job, waiting for one until `until` (time.monotonic()), or None."""
+        with self.lock:
+            while model not in self.queues:
+                left = until - time.monotonic()
+                if left <= 0 or self.stopping:
+                    return None
+                self.lock.wait(left)
+            return self._pop(model)
+
+    def put_back(self, job: Line | Call) -> None:
+        """A job taken for a batch it did not fit: first of its model's queue again."""
+        with self.lock:
+            if job.model in self.queues:
+                self.queues[job.model].appendleft(job)
+            else:
+                self.queues[job.model] = deque([job])
+            self._count(1)
 
     def run(self) -> None:
         if self.threads:
@@ -158,7 +209,6 @@ class Worker:
             while True:
                 job = self.take(block=True)
                 if job is STOP:
-                    self.drain()
                     return
                 self.current = [job] if isinstance(job, Call) else self.gather(job)
                 if isinstance(job, Call):
@@ -166,7 +216,7 @@ class Worker:
                 else:
                     self.translate_batch(self.current)
                 self.current = []
-        finally:  # ended by a bug: no request may wait for a worker that is gone
+        finally:  # ended by a bug, or stopped: no request may wait for a worker that is gone
             self.alive = False
             error = ApiError(503, "unavailable", STOPPED)
             for job in self.current:
@@ -174,35 +224,30 @@ class Worker:
             self.fail_all(error)
 
     def fail_all(self, error: ApiError) -> None:
-        while True:
-            try:
-                job = self.take(block=False)
-            except queue.Empty:
-                return
-            if isinstance(job, (Line, Call)):
-                job.pending.settle(error)
+        while (job := self.take(block=False)) not in (None, STOP):
+            job.pending.settle(error)
 
     def gather(self, first: Line) -> list[Line]:
-        """Lines for one batch: the first and what is waiting, within the token budget, the line count
-        and the number of requests, waiting up to batch_wait_ms for more while the batch is small."""
+        """Lines of first's model for one batch: the first and what is waiting, within the token budget,
+        the line count and the number of requests, waiting up to batch_wait_ms for more while the batch
+        is small."""
         config = self.config
         batch, requests = [first], {id(first.pending)}
         tokens = len(first.ids) * first.search.beam_size
         until = time.monotonic() + config.batch_wait_ms / 1000
         while len(batch) < config.batch_sentences:
-            try:
-                job = self.take(block=True, timeout=max(0.0, until - time.monotonic()))
-            except queue.Empty:
+            job = self.more(first.model, until)
+            if job is None:
                 break
-            if not isinstance(job, Line):  # a call or STOP: after this batch
-                self.backlog.appendleft(job)
+            if not isinstance(job, Line):  # a call: after this batch
+                self.put_back(job)
                 break
             cost = len(job.ids) * job.search.beam_size
             new_request = id(job.pending) not in requests
             if tokens + cost > config.batch_tokens or (
                 new_request and config.max_batch_requests and len(requests) >= config.max_batch_requests
             ):
-                self.backlog.appendleft(job)
+                self.put_back(job)
                 break
             batch.append(job)
             requests.add(id(job.pending))
@@ -224,13 +269,15 @@ class Worker:
                 self.metrics.queue_seconds.observe(now - line.queued)
         if not live:
             return
+        model = live[0].model
         self.metrics.batch_sentences.observe(len(live))
+        self.metrics.lines.labels(model.name).inc(len(live))
         by_search: dict[SearchConfig, list[Line]] = {}
         for line in live:
             by_search.setdefault(line.search, []).append(line)
         try:
             for search, lines in by_search.items():
-                for line, hyps in zip(lines, self.translate([line.ids for line in lines], search)):
+                for line, hyps in zip(lines, model.translate_ids([line.ids for line in lines], search)):
                     line.pending.results[line.index] = hyps
         except MODEL_FAILURES as e:
             for line in live:
@@ -251,18 +298,6 @@ class Worker:
             job.pending.settle(model_failure(e, self.metrics))
         else:
             job.pending.settle(result)
-
-    def drain(self) -> None:
-        """At shutdown: answer everything still queued."""
-        while True:
-            try:
-                job = self.take(block=False)
-            except queue.Empty:
-                return
-            if isinstance(job, Call):
-                self.call(job)
-            elif isinstance(job, Line):
-                self.translate_batch(self.gather(job))
 
 
 # --- Metrics ---------------------------------------------------------------------------------------
@@ -285,20 +320,37 @@ class Metrics:
             "aiayn_failures", "Requests not answered 200, by reason", ["reason"], registry=r
         )
         self.queue = Gauge("aiayn_queue_lines", "Lines waiting to be translated", registry=r)
+        self.lines = Counter("aiayn_lines", "Lines (sentences) translated, by model", ["model"], registry=r)
+        self.loaded = Gauge("aiayn_models_loaded", "Models in memory", registry=r)
+        self.memory = Gauge(
+            "aiayn_models_bytes", "What the models in memory count against the cap", registry=r
+        )
+        self.loads = Counter("aiayn_model_loads", "Models loaded, by model", ["model"], registry=r)
+        self.evictions = Counter("aiayn_model_evictions", "Models unloaded to make room, by model", ["model"],
+                                 registry=r)  # fmt: skip
+        self.graphs = Gauge("aiayn_compile_graphs", "Decoding graphs compiled in the background: done, total",
+                            ["model", "state"], registry=r)  # fmt: skip
+        self.compiled = Gauge("aiayn_compiled_batches", "Whether a class of batches (by sentences) decodes "
+                              "compiled", ["model", "batches"], registry=r)  # fmt: skip
 
-    def follow(self, warmup: Warmup | None) -> None:
-        """Gauges of the compile in the background (warmup.py), where there is one: its graphs done and in
-        all, and which classes of batches decode compiled."""
+    def follow(self, model: str, warmup: Warmup | None) -> None:
+        """Gauges of a model's compile in the background (warmup.py), where there is one: its graphs done
+        and in all, and which classes of batches decode compiled."""
         if warmup is None:
             return
         progress = warmup.progress
-        graphs = Gauge("aiayn_compile_graphs", "Decoding graphs compiled in the background: done, total",
-                       ["state"], registry=self.registry)  # fmt: skip
-        graphs.labels("done").set_function(
+        self.graphs.labels(model, "done").set_function(
             lambda: sum(g.seconds is not None for g in progress.graphs.values())
         )
-        graphs.labels("total").set_function(lambda: len(progress.graphs))
-        compiled = Gauge("aiayn_compiled_batches", "Whether a class of batches (by sentences) decodes compiled",
-                         ["batches"], registry=self.registry)  # fmt: skip
+        self.graphs.labels(model, "total").set_function(lambda: len(progress.graphs))
         for cls in warmup.sizes:
-            compiled.labels(cls).set_function(lambda cls=cls: cls in progress.ready)
+            self.compiled.labels(model, cls).set_function(lambda cls=cls: cls in progress.ready)
+
+    def forget(self, model: str, warmup: Warmup | None) -> None:
+        """A model unloaded: its compile's gauges go."""
+        if warmup is None:
+            return
+        for state in ("done", "total"):
+            self.graphs.remove(model, state)
+        for cls in warmup.sizes:
+            self.compiled.remove(model, cls)

@@ -39,34 +39,27 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(served_model):
-    """`aiayn serve` on a free loopback port (at most 100 characters a text, to see an error)."""
+def start(models: list, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`aiayn serve MODELS` on a free loopback port, up and answering."""
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "aiayn",
-        "serve",
-        str(served_model),
-        "--port",
-        str(port),
-        "--dtype",
-        "fp32",
-        "--no-compile",  # the page is the point, not minutes of compiling before it is served
-    ]
-    proc = subprocess.Popen(
-        [*command, "--max-chars", "100", "--threads", "1"], stderr=subprocess.PIPE, text=True
-    )
+    command = [sys.executable, "-m", "aiayn", "serve", *map(str, models), "--port", str(port), "--dtype", "fp32",
+               "--no-compile"]  # the page is the point, not minutes of compiling before it is served  # fmt: skip
+    proc = subprocess.Popen([*command, "--threads", "1", *extra], stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
         try:
             urllib.request.urlopen(f"{url}/health", timeout=1)
-            break
+            return proc, url
         except OSError:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def server(served_model):
+    """`aiayn serve` on a free loopback port (at most 100 characters a text, to see an error)."""
+    proc, url = start([served_model], "--max-chars", "100")
     yield url
     proc.terminate()
     proc.wait(30)
@@ -208,3 +201,36 @@ def test_nothing_leaves_loopback_and_the_console_is_clean(server, browser):
     # the 413 of the over-long input is the one expected (and shows the log is read at all)
     assert [e for e in severe if "413" in e["message"]], severe
     assert not [e for e in severe if "413" not in e["message"]], severe
+
+
+def test_a_pair_chosen_on_the_page_is_translated_by_its_model(served_model, browser, tmp_path):
+    """Two models (one trained model under two pairs; the en->fr one stops after 3 tokens, its
+    search.json says so): the page lists the pairs, and each translates with the model chosen."""
+    from aiayn.checkpoint import Languages, save_languages
+
+    dirs = {}
+    for name, limit in (("en-de", None), ("en-fr", 3)):
+        directory = tmp_path / name
+        shutil.copytree(served_model, directory, ignore=shutil.ignore_patterns("checkpoints", "data"))
+        save_languages(Languages(("en",), (name[3:],)), directory / "languages.json")
+        if limit is not None:
+            (directory / "search.json").write_text(json.dumps({"max_len_a": 0.0, "max_len_b": limit}))
+        dirs[name] = directory
+    proc, url = start(dirs.values(), "--beam-size", "1")  # (this model's beams of 4 end at once: "")
+    try:
+        browser.get(url)
+        pair = WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#pair option"))
+        assert [o.text for o in pair] == ["en \u2192 de (en-de)", "en \u2192 fr (en-fr)"]
+        for name in ("en-fr", "en-de"):
+            Select(browser.find_element(By.ID, "pair")).select_by_visible_text(
+                f"en \u2192 {name[3:]} ({name})"
+            )
+            assert name in browser.find_element(By.ID, "model-info").text
+            expected = Translator.load(dirs[name], dtype="fp32").translate(TEXTS[:1], beam_size=1)
+            assert translate_on_page(browser, TEXTS[0], "click") == expected[0]
+        assert (
+            expected[0] != Translator.load(dirs["en-fr"], dtype="fp32").translate(TEXTS[:1], beam_size=1)[0]
+        )
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -305,8 +305,8 @@ def test_a_compiled_server_answers_at_once_and_moves_to_its_graphs_as_they_come(
         assert progress["graphs_done"] == progress["graphs_total"] == 3
         assert all(graph["seconds"] > 0 for graph in progress["graphs"])
         metrics = c.get("/metrics").text
-        assert 'aiayn_compile_graphs{state="done"} 3.0' in metrics
-        assert 'aiayn_compiled_batches{batches="one"} 1.0' in metrics
+        assert 'aiayn_compile_graphs{model="model",state="done"} 3.0' in metrics
+        assert 'aiayn_compiled_batches{batches="one",model="model"} 1.0' in metrics
         monkeypatch.setattr(compiled, "eager", None)  # a batch falling back to eager now stops the worker
         responses = concurrent(c, [{"text": [text]} for text in INPUTS])
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses]

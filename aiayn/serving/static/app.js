@@ -42,20 +42,61 @@ function option(select, value, text) {
   select.appendChild(o);
 }
 
+let models = []; // /info's models: what each translates, its shape and search
+
+// what a request says of its model: the languages the selector names (a model may write several), or the
+// model's name where its languages are unknown
+function chosen() {
+  const value = $("pair").value;
+  return value ? JSON.parse(value) : {};
+}
+
+function modelOf(choice) {
+  return models.find((m) => m.name === choice.name) || models[0];
+}
+
+function describeModel() {
+  const m = modelOf(chosen());
+  if (!m) return;
+  const shape = m.model;
+  $("model-info").textContent =
+    `${m.name}: ${shape.n_encoder_layers}+${shape.n_decoder_layers} layers, d_model ${shape.d_model}, ` +
+    `${shape.n_heads} heads, ${m.state}`;
+}
+
 async function loadInfo() {
   try {
     const { payload } = await call("/info");
-    const m = payload.model;
-    $("model-info").textContent =
-      `${m.n_encoder_layers}+${m.n_decoder_layers} layers, d_model ${m.d_model}, ${m.n_heads} heads, ` +
-      `${payload.device} ${payload.dtype}, engine ${payload.engine}`;
+    models = payload.models;
+    const pair = $("pair");
+    pair.textContent = "";
+    for (const m of models) {
+      if (!m.languages) {
+        option(pair, JSON.stringify({ name: m.name, model: m.name }), m.name);
+        continue;
+      }
+      for (const s of m.languages.source) {
+        for (const t of m.languages.target) {
+          if (s !== t) option(pair, JSON.stringify({ name: m.name, source: s, target: t }), `${s} → ${t} (${m.name})`);
+        }
+      }
+    }
+    describeModel();
     const beam = $("beam");
     beam.textContent = "";
     for (let b = 1; b <= payload.limits.max_beam; b++) option(beam, b, b === 1 ? "1 (greedy)" : String(b));
-    beam.value = String(payload.search.beam_size);
+    beam.value = String(modelOf(chosen()).search.beam_size);
+    $("model-info").textContent += `; ${payload.device} ${payload.dtype}, engine ${payload.engine}`;
   } catch (e) {
     showError(e.message);
   }
+}
+
+function withModel(body) {
+  const choice = chosen();
+  if (choice.model) body.model = choice.model;
+  if (choice.source) Object.assign(body, { source: choice.source, target: choice.target });
+  return body;
 }
 
 async function translate() {
@@ -66,14 +107,14 @@ async function translate() {
   button.disabled = true;
   const started = performance.now();
   try {
-    const body = { text: text };
+    const body = withModel({ text: text });
     if ($("beam").value) body.beam_size = Number($("beam").value);
     const { payload, response } = await call("/translate", body);
     const ms = Math.round(performance.now() - started);
     $("translation").textContent = payload.translations[0];
     $("latency").textContent = `${ms} ms, batch of ${response.headers.get("X-Batch-Size") || "?"}`;
     const first = text.split("\n").find((line) => line.trim());
-    const att = await call("/attention", { text: first });
+    const att = await call("/attention", withModel({ text: first }));
     attention = att.payload;
     fillLayers();
     draw();
@@ -194,6 +235,7 @@ document.addEventListener("DOMContentLoaded", () => {
       translate();
     }
   });
+  $("pair").addEventListener("change", describeModel);
   $("kind").addEventListener("change", () => { if (attention) { fillLayers(); draw(); } });
   $("layer").addEventListener("change", draw);
   $("head").addEventListener("change", draw);

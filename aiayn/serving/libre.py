@@ -1,0 +1,257 @@
+"""LibreTranslate's API, at the paths and in the shapes its clients (libretranslatepy, deep-translator,
+browser extensions) use: POST /translate with q (a text or a list), source (a code or "auto"), target,
+format (text or html), alternatives and api_key; GET /languages; POST /detect. Parameters come as JSON, as
+a form (urlencoded or multipart) or in the query string, as LibreTranslate's Flask `request.values` reads
+them; errors are {"error": message} with its status codes (400 for the request, 403 for a key, 500).
+Texts are documents: split into sentences (documents.py), translated through the models of their pair
+(models.py: one, or two through a pivot), joined back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.formparsers import FormParser, MultiPartParser
+
+from aiayn.serving.documents import Document, split_html, split_text
+from aiayn.serving.languages import detect, language_name
+from aiayn.serving.service import Gone, Service, authorized, check_text, read_body, service_of, through
+from aiayn.serving.worker import ApiError
+
+FORMS = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def is_libre(request: Request, body: bytes) -> bool:
+    """Whether a /translate request is LibreTranslate's: a form, a query string with q, or a JSON body
+    without aiayn's `text` (whatever else it holds is then answered in LibreTranslate's words)."""
+    kind = content_type(request.headers)
+    if kind in FORMS or "q" in request.query_params:
+        return True
+    try:
+        value = json.loads(body) if body else None
+    except ValueError:
+        return False
+    return isinstance(value, dict) and "text" not in value
+
+
+def content_type(headers: Headers) -> str:
+    return headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+class LibreError(Exception):
+    """An answer in LibreTranslate's shape."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def answer(error: LibreError | ApiError) -> JSONResponse:
+    """LibreTranslate's error shape. aiayn's statuses for a request it cannot take (413, 422) are
+    LibreTranslate's 400; overload and timeouts keep their 503 and Retry-After."""
+    status = 400 if error.status in (404, 413, 422) else error.status
+    headers = error.headers if isinstance(error, ApiError) else {}
+    return JSONResponse({"error": error.message}, status, headers=headers)
+
+
+async def values_of(request: Request, body: bytes) -> dict[str, Any]:
+    """The request's parameters: the query string's, overridden by the body's (JSON or form)."""
+    values: dict[str, Any] = dict(request.query_params)
+    kind = content_type(request.headers)
+    if kind in FORMS:
+
+        async def stream():  # the body, already read within the size limit
+            yield body
+
+        parser = FormParser if kind == FORMS[0] else MultiPartParser
+        try:
+            form = await parser(request.headers, stream()).parse()
+        except Exception as e:  # python-multipart's errors have no common base
+            raise LibreError(400, f"Invalid request: the form cannot be read ({e})") from None
+        values.update({k: v for k, v in form.items() if isinstance(v, str)})
+        # a form's text normalised to LF, as LibreTranslate does before it counts characters
+        if isinstance(values.get("q"), str):
+            values["q"] = "\n".join(values["q"].splitlines())
+    elif body:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            raise LibreError(400, "Invalid JSON format") from None
+        if not isinstance(parsed, dict):
+            raise LibreError(400, "Invalid JSON format")
+        values.update(parsed)
+    return values
+
+
+def check_key(request: Request, service: Service, values: dict[str, Any]) -> None:
+    """With --api-key, LibreTranslate's api_key parameter (or aiayn's Authorization header) must hold it:
+    a wrong key is 403 as LibreTranslate's, a missing one 400 with its words."""
+    if not service.api_key:
+        return
+    given = values.get("api_key")
+    if given is None and authorized(request.headers, service.api_key):
+        return
+    if not given:
+        raise LibreError(400, "Please contact the server operator to get an API key")
+    if not (isinstance(given, str) and given == service.api_key):
+        raise LibreError(403, "Invalid API key")
+
+
+def not_supported(code: str) -> LibreError:
+    return LibreError(400, f"{code} is not supported")
+
+
+async def translate(request: Request, service: Service, body: bytes) -> Response:
+    try:
+        return await translate_values(request, service, await values_of(request, body))
+    except (LibreError, ApiError) as e:
+        if isinstance(e, ApiError) and e.status != 503:
+            service.metrics.failures.labels(e.kind).inc()
+        return answer(e)
+    except Gone as e:
+        return e.response
+
+
+async def translate_values(request: Request, service: Service, values: dict[str, Any]) -> Response:
+    check_key(request, service, values)
+    q, source, target = values.get("q"), values.get("source"), values.get("target")
+    for name, value in (("q", q), ("source", source), ("target", target)):
+        if not value:
+            raise LibreError(400, f"Invalid request: missing {name} parameter")
+    if not (isinstance(q, str) or (isinstance(q, list) and all(isinstance(t, str) for t in q))):
+        raise LibreError(400, "Invalid request: q must be a text or a list of texts")
+    if not isinstance(source, str) or not isinstance(target, str):
+        raise LibreError(400, "Invalid request: source and target are language codes")
+    try:
+        alternatives = max(0, int(values.get("alternatives", 0)))
+    except (TypeError, ValueError):
+        raise LibreError(400, "Invalid request: alternatives parameter is not a number") from None
+    config = service.config
+    if alternatives + 1 > config.max_beam:
+        raise LibreError(400, f"Invalid request: alternatives parameter must be <= {config.max_beam - 1}")
+    batch = isinstance(q, list)
+    texts: list[str] = q if batch else [q]  # type: ignore[assignment]
+    if len(texts) > config.max_texts:
+        raise LibreError(
+            400, f"Invalid request: request ({len(texts)}) exceeds text limit ({config.max_texts})"
+        )
+    for text in texts:
+        if len(text) > config.max_chars:
+            raise LibreError(
+                400, f"Invalid request: request ({len(text)}) exceeds text limit ({config.max_chars})"
+            )
+    text_format = values.get("format") or "text"
+    if text_format not in ("text", "html"):
+        raise LibreError(400, f"{text_format} format is not supported")
+    models = service.models
+    detected = None
+    if source == "auto":
+        among = {s for s in models.sources() if target in models.targets(s)} or models.sources()
+        plain = texts if text_format == "text" else [text_of_html(t) for t in texts]
+        detected = await detected_language("\n".join(plain), among)
+        source = detected["language"]
+    if source not in models.languages():
+        raise not_supported(source)
+    if target not in models.languages():
+        raise not_supported(target)
+    if target not in models.targets(source):
+        raise LibreError(400, f"{language_name(target)} ({target}) is not available as a target language from "
+                         f"{language_name(source)} ({source})")  # fmt: skip
+    hops = models.route(source, target)
+    split = split_html if text_format == "html" else split_text
+    try:
+        documents = [split(text, source) for text in texts]
+    except ValueError as e:
+        raise LibreError(400, f"Invalid request: {e}") from None
+    sentences = [s for document in documents for s in document.sentences]
+    for i, sentence in enumerate(sentences):
+        check_text(sentence, service, f"sentence {i + 1}")
+    results, batch_size = (
+        await through(request, service, hops, sentences, None, alternatives + 1) if sentences else ([], 0)
+    )
+    translated, alts, start = [], [], 0
+    for document in documents:
+        mine = results[start : start + len(document.sentences)]
+        start += len(document.sentences)
+        main = document.join([n_best[0][0] for n_best in mine])
+        translated.append(main)
+        alts.append([] if text_format == "html" else alternatives_of(document, mine, main, alternatives))
+    result: dict[str, Any] = {"translatedText": translated if batch else translated[0]}
+    if detected is not None:
+        result["detectedLanguage"] = [detected] * len(texts) if batch else detected
+    if alternatives > 0:
+        result["alternatives"] = alts if batch else alts[0]
+    if len(hops) > 1:
+        result["pivot"] = hops[0].target  # (not LibreTranslate's: it says nothing of its pivots)
+    return JSONResponse(result, headers={"X-Batch-Size": str(batch_size)})
+
+
+def text_of_html(markup: str) -> str:
+    """What a page says, for telling its language: its tags' names and attributes are not its language."""
+    from bs4 import BeautifulSoup
+
+    return BeautifulSoup(markup, "html.parser").get_text(" ")
+
+
+def alternatives_of(
+    document: Document, n_bests: list[list[tuple[str, float]]], main: str, count: int
+) -> list[str]:
+    """The k-th alternative of a document: the k-th hypothesis of each of its sentences (the best where a
+    sentence has fewer), without repeats or the main translation, as LibreTranslate filters them."""
+    seen, found = {main, ""}, []
+    for k in range(1, count + 1):
+        text = document.join([n_best[min(k, len(n_best) - 1)][0] for n_best in n_bests])
+        if text not in seen:
+            seen.add(text)
+            found.append(text)
+    return found
+
+
+async def detected_language(text: str, among: set[str]) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    try:
+        found = await loop.run_in_executor(None, detect, text, among)
+    except ValueError as e:
+        raise LibreError(400, str(e)) from None
+    code, confidence = found[0]
+    return {"confidence": confidence, "language": code}
+
+
+async def detect_endpoint(request: Request) -> Response:
+    """LibreTranslate's /detect: the languages q may be in, among those served, best first."""
+    service = service_of(request)
+    try:
+        values = await values_of(request, await read_body(request, service))
+        check_key(request, service, values)
+        q = values.get("q")
+        if not q:
+            raise LibreError(400, "Invalid request: missing q parameter")
+        if not isinstance(q, str):
+            raise LibreError(400, "Invalid request: q must be a text")
+        if len(q) > service.config.max_chars:
+            raise LibreError(
+                400, f"Invalid request: request ({len(q)}) exceeds text limit ({service.config.max_chars})"
+            )
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(None, detect, q, service.models.languages())
+        except ValueError as e:
+            raise LibreError(400, str(e)) from None
+    except (LibreError, ApiError) as e:
+        return answer(e)
+    return JSONResponse([{"confidence": confidence, "language": code} for code, confidence in found])
+
+
+async def languages_endpoint(request: Request) -> Response:
+    """LibreTranslate's /languages: every language served, its English name and what it translates into
+    (through a pivot too)."""
+    models = service_of(request).models
+    return JSONResponse([
+        {"code": code, "name": language_name(code), "targets": models.targets(code)}
+        for code in sorted(models.languages())
+    ])  # fmt: skip

@@ -1,0 +1,166 @@
+"""What a request handler needs from the server, whichever API it answers (app.py's own, libre.py's
+LibreTranslate): the Service, the request's body within its limits, and sentences through the models of a
+route, batched by the worker with other requests' and awaited until their answer, deadline or client's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.datastructures import Headers
+
+from aiayn.config import ServeConfig
+from aiayn.serving.models import Hop, Models
+from aiayn.serving.worker import ApiError, Line, Metrics, Pending, Worker
+
+
+@dataclass
+class Service:
+    """Everything a request handler needs: the models, the worker that runs them, the server's limits."""
+
+    models: Models
+    config: ServeConfig
+    worker: Worker
+    metrics: Metrics
+    info: dict[str, Any]  # what /info says of the server; of each model, describe_model
+    api_key: str | None = None
+    closing: bool = False
+
+    def ready(self) -> bool:
+        """Whether /health says ok: the worker is taking jobs, and where the server was told to wait for
+        its compiled graphs (ready_when_compiled), those of the models in memory are in."""
+        if self.config.ready_when_compiled:
+            warmups = [m.loaded.warmup for m in self.models.served if m.loaded and m.loaded.warmup]
+            return all(w.progress.state in ("done", "failed") for w in warmups)
+        return True
+
+
+def service_of(request: Request) -> Service:
+    return request.app.state.service
+
+
+async def read_body(request: Request, service: Service) -> bytes:
+    """The request's body, within the size limit."""
+    if service.closing:
+        raise ApiError(503, "shutting_down", "the server is shutting down", {"Retry-After": "1"})
+    limit = service.config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "too_large", f"the request body has {declared} bytes; the limit is {limit}")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, "too_large", f"the request body has more than {limit} bytes")
+    return body
+
+
+def authorized(headers: Headers, api_key: str) -> bool:
+    given = headers.get("authorization", "")
+    return given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())
+
+
+def check_text(text: str, service: Service, what: str) -> None:
+    limit = service.config.max_chars
+    if len(text) > limit:
+        raise ApiError(413, "too_long", f"{what} has {len(text)} characters; the limit is {limit}")
+
+
+def check_tokens(ids: list[int], service: Service, what: str) -> None:
+    limit = service.config.max_tokens
+    if len(ids) - 1 > limit:
+        raise ApiError(413, "too_long", f"a line of {what} has {len(ids) - 1} tokens; the limit is {limit}")
+
+
+def new_pending(request: Request, service: Service, lines: int) -> Pending:
+    loop = asyncio.get_running_loop()
+    return Pending(lines, time.monotonic() + service.config.timeout_s, loop.create_future(), loop)
+
+
+async def wait(request: Request, pending: Pending, submit: Callable[[], None], service: Service) -> Any:
+    """Queue the request's work and wait for its answer, its deadline, or its client to go."""
+    submit()
+    watcher = asyncio.create_task(gone(request))
+    try:
+        done, _ = await asyncio.wait(
+            {pending.done, watcher}, timeout=service.config.timeout_s + 1, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        watcher.cancel()
+    if pending.done in done:
+        return pending.done.result()  # an ApiError raised by the worker comes out here
+    pending.gone = True  # the worker drops what is left of it
+    if watcher in done:
+        return Response(status_code=499)  # nobody is listening; nginx's code for it
+    service.metrics.failures.labels("timeout").inc()
+    raise ApiError(503, "timeout", "the request timed out", {"Retry-After": "1"})
+
+
+async def gone(request: Request) -> None:
+    """Returns when the client disconnects: once the body is read, the next ASGI message is the
+    disconnect (no polling: 64 waiting requests polling 20 times a second took a quarter of the
+    event loop's time)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def route(service: Service, name: str | None, source: str | None, target: str | None) -> list[Hop]:
+    """The models a request goes through: one named, the one (or two, through a pivot) of its languages,
+    or the server's only model."""
+    if name is not None or (source is None and target is None):
+        model = service.models.named(name)
+        return [Hop(model, target if model.languages is not None and model.languages.tags else None)]
+    if source is None or target is None:
+        raise ApiError(422, "invalid_request", "name both languages, source and target, or neither")
+    return service.models.route(source, target)
+
+
+async def through(
+    request: Request, service: Service, hops: list[Hop], sentences: list[str], beam: int | None, n_best: int
+) -> tuple[list[list[tuple[str, float]]], int]:
+    """Sentences through a route's models, each model's lines batched by the worker with other requests':
+    the n-best (text, score) of each sentence from the last model, the best of each model before it
+    feeding the next; and the largest batch a line rode in."""
+    config = service.config
+    beam = beam or config.beam_size
+    if beam > config.max_beam or n_best > config.max_beam:
+        raise ApiError(422, "invalid_request", f"beam_size and n_best are at most {config.max_beam}")
+    texts, results, batch_size = sentences, [[("", 0.0)] for _ in sentences], 0
+    for k, hop in enumerate(hops):
+        last = k == len(hops) - 1
+        async with service.models.using(hop.model) as loaded:
+            translator = loaded.translator
+            search = replace(translator.search_config, beam_size=beam).with_n_best(n_best if last else 1)
+            prefix = hop.model.prefix(hop.target)
+            ids = translator.tokenizer.encode_src([prefix + t if t.strip() else t for t in texts])
+            for i, line in enumerate(ids):
+                check_tokens(line, service, f"sentence {i + 1}")
+            pending = new_pending(request, service, len(ids))
+            jobs = [Line(line, search, pending, i, time.monotonic(), loaded) for i, line in enumerate(ids)]
+            if not jobs:
+                return [], 0
+            found = await wait(request, pending, lambda jobs=jobs: service.worker.submit(jobs), service)
+            if isinstance(found, Response):  # the client has gone
+                raise Gone(found)
+            decode = translator.tokenizer.decode_tgt
+            results = [
+                list(zip(decode([h.tokens for h in found[i]]), [h.score for h in found[i]]))
+                for i in range(len(ids))
+            ]
+            batch_size = max(batch_size, pending.batch_size)
+        texts = [n_best[0][0] for n_best in results]
+    return results, batch_size
+
+
+class Gone(Exception):
+    """The client went away while its request was translated: nobody to answer."""
+
+    def __init__(self, response: Response):
+        self.response = response
