@@ -592,7 +592,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     print(f"{machine()}; load average before: {load_before:.2f}; serving {model}", flush=True)
     if args.many_models:
-        result = {"machine": machine(), "load_before": load_before, **many_models(model, args, texts)}
+        result = {"benchmark": "serve many models", "machine": machine(), "load_before": load_before,
+                  "command": shlex.join(["python", *sys.argv]), "model": model.name, **many_models(model, args, texts)}  # fmt: skip
         print()
         print(many_table(result, args.clients))
         if args.results:

@@ -46,6 +46,8 @@ COLD = ROOT / "docs" / "bench_cold_cpu.json"
 COLD_AVX2 = ROOT / "docs" / "bench_cold_cpu_avx2.json"
 OPUS = ROOT / "docs" / "bench_opus_cpu.json"
 REAL = ROOT / "docs" / "bench_real_cpu.json"
+TEXT = ROOT / "docs" / "bench_text_cpu.json"
+MANY = ROOT / "docs" / "bench_serve_many_cpu.json"
 ARROW = {"de-en": "de → en", "en-de": "en → de"}
 
 
@@ -461,6 +463,52 @@ PEERS = {
 }
 
 
+def text_choice(record: dict) -> str:
+    """The sentence splitters and language detectors bench_text.py measured, and which it chose."""
+    lines = [
+        "| sentence splitter | paragraphs split exactly: Multi30k / hard | boundary F1 | sentences/s | "
+        "raised or changed text (fuzz lines) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    chosen = record["splitters"]["chosen"]
+    for name, r in record["splitters"]["summary"].items():
+        robust = r["robustness"]
+        lines.append(
+            f"| {'**' + name + '** (chosen)' if name == chosen else name} | {r['exact_pct_multi30k']:.1f}% / "
+            f"{r['exact_pct_hard']:.1f}% | {r['f1']:.3f} | {r['sentences_per_s']:,.0f} | "
+            f"{robust['raised'] + robust['changed']} of {robust['lines']:,} |"
+        )
+    lines += ["", "| language detector | right: whole sentences / first 3 words | ms a call | loading: s, MB |",
+              "|---|---:|---:|---:|"]  # fmt: skip
+    chosen = record["detectors"]["chosen"]
+    for name, r in record["detectors"]["rows"].items():
+        lines.append(
+            f"| {'**' + name + '** (chosen)' if name == chosen else name} | {r['accuracy_full_pct']:.1f}% / "
+            f"{r['accuracy_short_pct']:.1f}% | {r['ms_per_call_full']:.2f} | {r['build_s']:.2f}, {r['rss_mb']:.0f} |"
+        )
+    lines += [
+        "",
+        f"English, German and French; {record['machine']}, {record['date']} (`{record['command']}`).",
+    ]
+    return "\n".join(lines)
+
+
+def many_models(record: dict) -> str:
+    """LibreTranslate's requests to one model alone, to a mix over three in one server, and to the three
+    under a cap that holds two (bench_serve.py --many-models)."""
+    lines = ["| setup | clients | sentences/s | p50 / p99 ms | against one model | mean batch | errors |",
+             "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    alone = {c["clients"]: c for c in record["cells"] if c["setup"] == "one model"}
+    for c in record["cells"]:
+        ratio = c["sentences_per_s"] / alone[c["clients"]]["sentences_per_s"]
+        errors = ", ".join(f"{k}: {v}" for k, v in c["errors"].items()) or "none"
+        lines.append(f"| {c['setup']} | {c['clients']} | {c['sentences_per_s']:.1f} | {c['p50_ms']:.0f} / "
+                     f"{c['p99_ms']:.0f} | {ratio:.2f}x | {c['mean_batch']:.1f} | {errors} |")  # fmt: skip
+    lines += ["", f"`{record['model']}` ({record['model_mb']} MiB of weights) under three names; {record['machine']}, "
+              f"{record['date']} (`{record['command']}`)."]  # fmt: skip
+    return "\n".join(lines)
+
+
 def tables(page: Path = README) -> dict[str, str]:
     """The tables of one page (README.md or docs/performance.md), by name."""
     cold = [read(COLD), read(COLD_AVX2)]
@@ -472,6 +520,8 @@ def tables(page: Path = README) -> dict[str, str]:
             "cold start": cold_start(cold, full=True),
             "opus-mt": opus(read(OPUS)),
             "real work": real(read(REAL), full=True),
+            "many models": many_models(read(MANY)),
+            "text": text_choice(read(TEXT)),
         }
     if page == RESULTS:
         return {"updates": by_updates(read(QUALITY))}

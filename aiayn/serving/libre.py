@@ -24,11 +24,12 @@ from aiayn.serving.service import Gone, Service, authorized, check_text, read_bo
 from aiayn.serving.worker import ApiError
 
 FORMS = ("application/x-www-form-urlencoded", "multipart/form-data")
+LIBRE_KEYS = frozenset({"q", "source", "target", "format", "alternatives", "api_key"})
 
 
 def is_libre(request: Request, body: bytes) -> bool:
     """Whether a /translate request is LibreTranslate's: a form, a query string with q, or a JSON body
-    without aiayn's `text` (whatever else it holds is then answered in LibreTranslate's words)."""
+    with its parameters and without aiayn's `text` (a body missing q is then told so in its words)."""
     kind = content_type(request.headers)
     if kind in FORMS or "q" in request.query_params:
         return True
@@ -36,7 +37,7 @@ def is_libre(request: Request, body: bytes) -> bool:
         value = json.loads(body) if body else None
     except ValueError:
         return False
-    return isinstance(value, dict) and "text" not in value
+    return isinstance(value, dict) and "text" not in value and not LIBRE_KEYS.isdisjoint(value)
 
 
 def content_type(headers: Headers) -> str:

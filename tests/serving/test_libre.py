@@ -406,8 +406,20 @@ def test_an_imported_multilingual_model_serves_each_target_by_its_tag(tmp_path, 
     assert imported.languages is not None and set(imported.languages.target) == {"de", "fr"}
     texts = multi30k_lines("val.en.gz", 2)
     translator = Translator.load(imported, GREEDY, dtype="fp32", device="cpu")
-    with TestClient(app_of([tmp_path / "en-mul", model_dirs["de-en"]])) as c:
+    port = free_port()
+    command = [sys.executable, "-m", "aiayn", "serve", str(tmp_path / "en-mul"), str(model_dirs["de-en"]),
+               "--port", str(port), "--dtype", "fp32", "--no-compile", "--threads", "1", "--beam-size", "1"]  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_up(proc, url)
+        api = libretranslatepy.LibreTranslateAPI(url)
         for target in ("de", "fr"):
-            body = c.post("/translate", json={"q": texts, "source": "en", "target": target}).json()
             tag = imported.languages.tags[target]
-            assert body == {"translatedText": translator.translate([f"{tag} {t}" for t in texts])}
+            expected = translator.translate([f"{tag} {t}" for t in texts])
+            assert [api.translate(t, "en", target) for t in texts] == expected
+        languages = {entry["code"]: entry["targets"] for entry in api.languages()}
+        assert languages["en"] == ["de", "fr"] and languages["de"] == ["en", "fr"]  # de->fr through English
+    finally:
+        proc.terminate()
+        proc.wait(30)
