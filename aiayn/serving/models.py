@@ -297,6 +297,8 @@ def loader(
         search = replace(model.model_dir.search, beam_size=config.beam_size)
         if options.engine == "ctranslate2" and search.length_penalty != "average":
             search = replace(search, length_penalty="average")  # CTranslate2 has only that one
+            log.warning("%s, --engine ctranslate2: beams use the average length penalty, score / |Y|^alpha",
+                        model.name)  # fmt: skip
         translator = Translator.load(model.model_dir, search, options)
         return prepared(model.name, translator, options, config, compile_workers)
 
