@@ -173,7 +173,9 @@ async def translate_values(request: Request, service: Service, values: dict[str,
     for i, sentence in enumerate(sentences):
         check_text(sentence, service, f"sentence {i + 1}")
     results, batch_size = (
-        await through(request, service, hops, sentences, None, alternatives + 1) if sentences else ([], 0)
+        await through(request, service, hops, sentences, None, alternatives + 1, "sentence")
+        if sentences
+        else ([], 0)
     )
     translated, alts, start = [], [], 0
     for document in documents:

@@ -76,7 +76,7 @@ def check_text(text: str, service: Service, what: str) -> None:
 def check_tokens(ids: list[int], service: Service, what: str) -> None:
     limit = service.config.max_tokens
     if len(ids) - 1 > limit:
-        raise ApiError(413, "too_long", f"a line of {what} has {len(ids) - 1} tokens; the limit is {limit}")
+        raise ApiError(413, "too_long", f"{what} has {len(ids) - 1} tokens; the limit is {limit}")
 
 
 def new_pending(request: Request, service: Service, lines: int) -> Pending:
@@ -123,7 +123,13 @@ def route(service: Service, name: str | None, source: str | None, target: str | 
 
 
 async def through(
-    request: Request, service: Service, hops: list[Hop], sentences: list[str], beam: int | None, n_best: int
+    request: Request,
+    service: Service,
+    hops: list[Hop],
+    sentences: list[str],
+    beam: int | None,
+    n_best: int,
+    unit: str = "line",
 ) -> tuple[list[list[tuple[str, float]]], int]:
     """Sentences through a route's models, each model's lines batched by the worker with other requests':
     the n-best (text, score) of each sentence from the last model, the best of each model before it
@@ -141,7 +147,7 @@ async def through(
             prefix = hop.model.prefix(hop.target)
             ids = translator.tokenizer.encode_src([prefix + t if t.strip() else t for t in texts])
             for i, line in enumerate(ids):
-                check_tokens(line, service, f"sentence {i + 1}")
+                check_tokens(line, service, f"{unit} {i + 1} of the request")
             pending = new_pending(request, service, len(ids))
             jobs = [Line(line, search, pending, i, time.monotonic(), loaded) for i, line in enumerate(ids)]
             if not jobs:

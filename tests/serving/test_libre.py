@@ -240,6 +240,10 @@ def test_a_pair_without_a_model_goes_through_a_pivot(client, translators):
         ({"q": "1234 !!", "source": "auto", "target": "de"}, "cannot detect"),
         ({"q": "<p><b>x</p></b>", "source": "en", "target": "de", "format": "html"}, "malformed HTML"),
         ({"q": "x" * 5001, "source": "en", "target": "de"}, "exceeds text limit (5000)"),
+        (
+            {"q": "A dog. Dogs " + "dog " * 300, "source": "en", "target": "de"},
+            "sentence 2 of the request has",
+        ),
     ],
 )
 def test_bad_requests_are_libretranslates_400(client, body, needle):
