@@ -284,7 +284,8 @@ class ServeConfig:
     batch_wait_ms: float = _about(5.0, "how long the worker waits for more lines when the queue is short")
     max_batch_requests: int = _about(0, "requests whose lines may share a batch (1: no batching; 0: any)")
     max_memory_mb: int = _about(
-        0, "memory for the models in memory, in MiB; past it the least recently used is unloaded (0: half the machine's)"
+        0,
+        "memory for the models in memory, in MiB; past it the least recently used is unloaded (0: half the machine's)",
     )
     ready_when_compiled: bool = _about(
         False,
@@ -298,7 +299,12 @@ class ServeConfig:
         for name in at_least_one:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.timeout_s <= 0 or self.batch_wait_ms < 0 or self.max_batch_requests < 0 or self.max_memory_mb < 0:
+        if (
+            self.timeout_s <= 0
+            or self.batch_wait_ms < 0
+            or self.max_batch_requests < 0
+            or self.max_memory_mb < 0
+        ):
             raise ValueError(
                 f"timeout_s must be positive and batch_wait_ms, max_batch_requests, max_memory_mb not negative; "
                 f"got {self.timeout_s}, {self.batch_wait_ms}, {self.max_batch_requests}, {self.max_memory_mb}"
