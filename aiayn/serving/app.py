@@ -129,6 +129,7 @@ def create_app(
         ("/info", info_endpoint),
         ("/metrics", metrics_endpoint),
         ("/languages", libre.languages_endpoint),
+        ("/frontend/settings", libre.settings_endpoint),
         ("/", page),
     ):
         app.add_api_route(path, endpoint, methods=["GET"])
@@ -392,7 +393,8 @@ async def drain(receive: Callable, body_done: list[bool]) -> None:
         await asyncio.wait_for(read(), DRAIN_SECONDS)
 
 
-ENDPOINTS = ("/translate", "/attention", "/detect", "/languages", "/health", "/info", "/metrics", "/")
+ENDPOINTS = ("/translate", "/attention", "/detect", "/languages", "/frontend/settings", "/health", "/info", "/metrics",
+             "/")  # fmt: skip
 # (/translate and /detect check their keys themselves: LibreTranslate's clients send theirs in the body)
 PROTECTED = ("/attention", "/info", "/metrics")
 BODY_KEYS = ("/translate", "/detect")

@@ -258,3 +258,24 @@ async def languages_endpoint(request: Request) -> Response:
         {"code": code, "name": language_name(code), "targets": models.targets(code)}
         for code in sorted(models.languages())
     ])  # fmt: skip
+
+
+async def settings_endpoint(request: Request) -> Response:
+    """LibreTranslate's /frontend/settings, which its web page and some clients read first: the limit of
+    characters, whether a key is needed, what is not offered (suggestions, files), the default pair."""
+    service = service_of(request)
+    targets = sorted({t for s in service.models.sources() for t in service.models.targets(s)})
+    target = "en" if "en" in targets else (targets[0] if targets else "en")
+    return JSONResponse({
+        "charLimit": service.config.max_chars,
+        "frontendTimeout": 500,  # (LibreTranslate's default: how long its page waits after typing, in ms)
+        "apiKeys": bool(service.api_key),
+        "keyRequired": bool(service.api_key),
+        "suggestions": False,
+        "filesTranslation": False,
+        "supportedFilesFormat": [],
+        "language": {
+            "source": {"code": "auto", "name": "Auto Detect"},
+            "target": {"code": target, "name": language_name(target)},
+        },
+    })  # fmt: skip

@@ -115,6 +115,9 @@ def test_libretranslatepy_translates_detects_and_lists_languages(live, translato
     assert set(languages) == {"de", "en", "fr"}
     assert languages["de"]["name"] == "German" and languages["en"]["targets"] == ["de", "fr"]
     assert languages["de"]["targets"] == ["en", "fr"]  # fr through English
+    settings = json.load(urllib.request.urlopen(f"{live}/frontend/settings"))
+    assert settings["charLimit"] == 5000 and settings["keyRequired"] is False
+    assert settings["language"]["target"] == {"code": "en", "name": "English"}
     detected = api.detect("The small dogs see a red bird near the river.")
     assert detected[0]["language"] == "en" and 0 < detected[0]["confidence"] <= 100
 
