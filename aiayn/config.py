@@ -283,6 +283,11 @@ class ServeConfig:
     batch_sentences: int = _about(64, "lines per batch")
     batch_wait_ms: float = _about(5.0, "how long the worker waits for more lines when the queue is short")
     max_batch_requests: int = _about(0, "requests whose lines may share a batch (1: no batching; 0: any)")
+    req_limit: int = _about(
+        0,
+        "requests a client address may make a minute (a list of texts counts its length), as LibreTranslate's "
+        "--req-limit; past it 429 (0: no limit)",
+    )
     max_memory_mb: int = _about(
         0,
         "memory for the models in memory, in MiB; past it the least recently used is unloaded (0: half the machine's)",
@@ -306,8 +311,9 @@ class ServeConfig:
             or self.max_memory_mb < 0
         ):
             raise ValueError(
-                f"timeout_s must be positive and batch_wait_ms, max_batch_requests, max_memory_mb not negative; "
-                f"got {self.timeout_s}, {self.batch_wait_ms}, {self.max_batch_requests}, {self.max_memory_mb}"
+                f"timeout_s must be positive and batch_wait_ms, max_batch_requests, max_memory_mb, req_limit not "
+                f"negative; got {self.timeout_s}, {self.batch_wait_ms}, {self.max_batch_requests}, "
+                f"{self.max_memory_mb}, {self.req_limit}"
             )
         if self.beam_size > self.max_beam:
             raise ValueError(f"the default beam_size={self.beam_size} is more than max_beam={self.max_beam}")

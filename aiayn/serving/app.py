@@ -245,6 +245,7 @@ async def own_translate(request: Request, service: Service, raw: bytes) -> Respo
     check_key(request, service)
     body = validated(raw, TranslateRequest)
     texts = [body.text] if isinstance(body.text, str) else body.text
+    service.charge(request, len(texts))
     if len(texts) > config.max_texts:
         raise ApiError(
             413, "too_many_texts", f"{len(texts)} texts in one request; the limit is {config.max_texts}"
@@ -282,6 +283,7 @@ async def own_translate(request: Request, service: Service, raw: bytes) -> Respo
 async def attention_endpoint(request: Request) -> Response:
     service = service_of(request)
     body = validated(await read_body(request, service), AttentionRequest)
+    service.charge(request)
     if "\n" in body.text.strip() or not body.text.strip():
         raise ApiError(400, "invalid_request", "/attention takes one sentence: one non-empty line")
     check_text(body.text, service, "text")

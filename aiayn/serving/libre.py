@@ -57,7 +57,9 @@ def answer(error: LibreError | ApiError) -> JSONResponse:
     LibreTranslate's 400; overload and timeouts keep their 503 and Retry-After."""
     status = 400 if error.status in (404, 413, 422) else error.status
     headers = error.headers if isinstance(error, ApiError) else {}
-    return JSONResponse({"error": error.message}, status, headers=headers)
+    return JSONResponse(
+        {"error": error.message}, status, headers=headers
+    )  # (429: "Slowdown: ...", its words)
 
 
 async def values_of(request: Request, body: bytes) -> dict[str, Any]:
@@ -137,6 +139,7 @@ async def translate_values(request: Request, service: Service, values: dict[str,
         raise LibreError(400, f"Invalid request: alternatives parameter must be <= {config.max_beam - 1}")
     batch = isinstance(q, list)
     texts: list[str] = q if batch else [q]  # type: ignore[assignment]
+    service.charge(request, len(texts))  # (LibreTranslate's cost of a request: its texts)
     if len(texts) > config.max_texts:
         raise LibreError(
             400, f"Invalid request: request ({len(texts)}) exceeds text limit ({config.max_texts})"
@@ -231,6 +234,7 @@ async def detect_endpoint(request: Request) -> Response:
     try:
         values = await values_of(request, await read_body(request, service))
         check_key(request, service, values)
+        service.charge(request)
         q = values.get("q")
         if not q:
             raise LibreError(400, "Invalid request: missing q parameter")

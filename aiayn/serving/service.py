@@ -21,6 +21,22 @@ from aiayn.serving.models import Hop, Models
 from aiayn.serving.worker import ApiError, Line, Metrics, Pending, Worker
 
 
+class RateLimit:
+    """LibreTranslate's --req-limit: requests a client address may make in a moving minute, a request of
+    N texts costing N, counted by the `limits` library (what LibreTranslate's Flask-Limiter counts with)."""
+
+    def __init__(self, per_minute: int):
+        from limits import RateLimitItemPerMinute, storage, strategies
+
+        self.item = RateLimitItemPerMinute(per_minute)
+        self.limiter = strategies.MovingWindowRateLimiter(storage.MemoryStorage())
+
+    def check(self, request: Request, cost: int = 1) -> None:
+        client = request.client.host if request.client else "unknown"
+        if not self.limiter.hit(self.item, client, cost=max(1, cost)):
+            raise ApiError(429, "rate_limited", f"Slowdown: {self.item}", {"Retry-After": "60"})
+
+
 @dataclass
 class Service:
     """Everything a request handler needs: the models, the worker that runs them, the server's limits."""
@@ -32,6 +48,16 @@ class Service:
     info: dict[str, Any]  # what /info says of the server; of each model, describe_model
     api_key: str | None = None
     closing: bool = False
+    rate: RateLimit | None = None  # --req-limit
+
+    def __post_init__(self) -> None:
+        if self.config.req_limit and self.rate is None:
+            self.rate = RateLimit(self.config.req_limit)
+
+    def charge(self, request: Request, cost: int = 1) -> None:
+        """Count a request against its client's --req-limit (a 429 past it)."""
+        if self.rate is not None:
+            self.rate.check(request, cost)
 
     def ready(self) -> bool:
         """Whether /health says ok: the worker is taking jobs, and where the server was told to wait for

@@ -257,6 +257,21 @@ def test_bad_requests_are_libretranslates_400(client, body, needle):
     )
 
 
+def test_a_clients_requests_a_minute_are_limited_as_libretranslates(model_dirs):
+    """--req-limit 3: a list of two texts costs two, so the next two-text request is refused with 429 in
+    LibreTranslate's words, and aiayn's own requests count against the same minute."""
+    with TestClient(app_of(model_dirs.values(), req_limit=3)) as c:
+        ok = c.post("/translate", json={"q": SENTENCES[:2], "source": "en", "target": "de"})
+        assert ok.status_code == 200
+        assert libre_error(
+            c.post("/translate", json={"q": SENTENCES[:2], "source": "en", "target": "de"}), 429
+        ) == ("Slowdown: 3 per 1 minute")
+        assert c.post("/detect", data={"q": "A red bird."}).status_code == 200  # the third
+        refused = c.post("/translate", json={"text": "A red bird.", "model": "en-de"})
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limited"
+        assert refused.headers["Retry-After"] == "60"
+
+
 def test_own_requests_name_their_model_or_languages(client, translators):
     body = client.post("/translate", json={"text": SENTENCES, "source": "en", "target": "fr"}).json()
     assert body == {"translations": translators["en-fr"].translate(SENTENCES)}
