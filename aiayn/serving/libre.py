@@ -20,7 +20,7 @@ from starlette.formparsers import FormParser, MultiPartParser
 
 from aiayn.serving.documents import Document, split_html, split_text
 from aiayn.serving.languages import detect, language_name
-from aiayn.serving.service import Gone, Service, authorized, check_text, read_body, service_of, through
+from aiayn.serving.service import Gone, Service, authorized, read_body, service_of, through
 from aiayn.serving.worker import ApiError
 
 FORMS = ("application/x-www-form-urlencoded", "multipart/form-data")
@@ -173,13 +173,14 @@ async def translate_values(request: Request, service: Service, values: dict[str,
     except ValueError as e:
         raise LibreError(400, f"Invalid request: {e}") from None
     sentences = [s for document in documents for s in document.sentences]
-    for i, sentence in enumerate(sentences):
-        check_text(sentence, service, f"sentence {i + 1}")
-    results, batch_size = (
-        await through(request, service, hops, sentences, None, alternatives + 1, "sentence")
-        if sentences
-        else ([], 0)
+    # a sentence without a letter (a number, an emoji, a dash) comes back as it is, as LibreTranslate
+    # returns a text of emoji: a model has nothing to translate there, and would make something up
+    words = [s for s in sentences if any(c.isalpha() for c in s)]
+    found, batch_size = (
+        await through(request, service, hops, words, None, alternatives + 1, "sentence") if words else ([], 0)
     )
+    translated_words = iter(found)
+    results = [next(translated_words) if any(c.isalpha() for c in s) else [(s, 0.0)] for s in sentences]
     translated, alts, start = [], [], 0
     for document in documents:
         mine = results[start : start + len(document.sentences)]

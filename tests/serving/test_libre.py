@@ -204,6 +204,15 @@ def tree(markup: str) -> list:
     return walk(BeautifulSoup(markup, "html.parser"))
 
 
+def test_a_sentence_without_a_letter_comes_back_as_it_is(client, translators):
+    body = client.post(
+        "/translate", json={"q": f"{SENTENCES[0]} 42. \U0001f642", "source": "en", "target": "de"}
+    )
+    assert body.json() == {
+        "translatedText": f"{translators['en-de'].translate(SENTENCES[:1])[0]} 42. \U0001f642"
+    }
+
+
 def test_html_keeps_its_tree_and_translates_its_text(client, translators):
     page = (
         '<div class="doc"><p id="a">The small dogs see a <b>red <i>bird</i></b>.</p>'
