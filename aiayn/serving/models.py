@@ -95,6 +95,7 @@ class Models:
         load: Callable[[ServedModel], Loaded],
         cap: int,
         metrics: Metrics | None = None,  # (create_app gives its own)
+        wait_s: float = 30.0,  # how long a model's first request waits for room (ServeConfig.timeout_s)
     ):
         if not served:
             raise ValueError("a server needs at least one model")
@@ -103,7 +104,7 @@ class Models:
             raise ValueError(f"two model directories have one name: {sorted(names)}; serve them under others")
         self.served = list(served)
         self.by_name = {m.name: m for m in served}
-        self.load, self.cap = load, cap
+        self.load, self.cap, self.wait_s = load, cap, wait_s
         self.metrics = metrics or Metrics()
         self.by_pair: dict[tuple[str, str], ServedModel] = {}
         for model in served:
@@ -202,7 +203,10 @@ class Models:
             )
             log.warning("model %s refused: %s", model.name, model.error)
             raise ApiError(503, "model_failed", f"model {model.name} cannot be loaded: {model.error}")
-        async with self.room:  # room for it: unload the least recently used idle models, or wait for one
+        # room for it: unload the least recently used idle models, or wait for one to become idle, as long as
+        # a request may wait (the models in memory may stay in use for longer: a 503 to retry, then)
+        deadline = loop.time() + self.wait_s
+        async with self.room:
             while self.used() + 2 * model.charge > self.cap:
                 idle = [m for m in self.served if m.loaded is not None and m.busy == 0 and m is not model]
                 if idle:
@@ -211,8 +215,13 @@ class Models:
                     await loop.run_in_executor(None, self._unload, loaded)
                     self.metrics.evictions.labels(victim.name).inc()
                     log.warning("model %s unloaded to make room for %s", victim.name, model.name)
+                elif loop.time() >= deadline:
+                    self.metrics.failures.labels("no_room").inc()
+                    raise ApiError(503, "no_room", f"model {model.name} waits for memory: the models in memory "
+                                   f"(--max-memory-mb {self.cap >> 20}) are all in use", {"Retry-After": "1"})  # fmt: skip
                 else:
-                    await self.room.wait()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.room.wait(), deadline - loop.time())
             model.reserved = True
         try:
             loaded = await loop.run_in_executor(None, self.load, model)
@@ -222,6 +231,8 @@ class Models:
             raise ApiError(503, "model_failed", f"model {model.name} cannot be loaded: {e}") from None
         finally:
             model.reserved = False
+            async with self.room:  # what it held while loading is free (or it failed): waiters look again
+                self.room.notify_all()
         model.loaded = loaded
         if loaded.warmup is not None:
             loaded.warmup.start()

@@ -114,7 +114,7 @@ def read_models(
         )  # fmt: skip
     workers = max(1, min(2, os.cpu_count() or 1))  # the graphs compile in processes beside the answering one
     cap = config.max_memory_mb << 20 if config.max_memory_mb else default_cap()
-    return Models(served, loader(options, config, workers), cap)
+    return Models(served, loader(options, config, workers), cap, wait_s=config.timeout_s)
 
 
 def check_store(translator: Translator) -> None:

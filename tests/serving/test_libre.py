@@ -314,6 +314,28 @@ def test_a_model_that_fails_to_load_is_refused_and_the_others_serve(model_dirs, 
         assert [m["state"] for m in c.get("/info").json()["models"]] == ["failed", "loaded"]
 
 
+def test_a_model_that_waits_for_room_past_the_timeout_gets_a_503_to_retry(model_dirs):
+    """A cap of one model: the next model's first request waits for the one in memory to become idle, and
+    past --timeout-s is a 503 with Retry-After; once it is idle, it is unloaded and the next one loads."""
+    size = (model_dirs["en-de"] / "model.safetensors").stat().st_size
+    assert 3 * size > 1 << 20 >= 2 * size  # one fits (twice its weights while it loads), two do not
+    with TestClient(app_of(model_dirs.values(), max_memory_mb=1, timeout_s=1.0)) as c:
+        assert (
+            c.post("/translate", json={"q": "A red bird.", "source": "en", "target": "de"}).status_code == 200
+        )
+        held = c.app.state.service.models.by_name["en-de"]
+        held.busy += 1  # as a request in flight holds it
+        refused = c.post("/translate", json={"q": "A red bird.", "source": "en", "target": "fr"})
+        assert libre_error(refused, 503).startswith("model en-fr waits for memory")
+        assert refused.headers["Retry-After"] == "1"
+        held.busy -= 1
+        assert (
+            c.post("/translate", json={"q": "A red bird.", "source": "en", "target": "fr"}).status_code == 200
+        )
+        states = {m["name"]: m["state"] for m in c.get("/info").json()["models"]}
+        assert states == {"en-de": "unloaded", "de-en": "unloaded", "en-fr": "loaded"}
+
+
 # --- Worker fairness ---------------------------------------------------------------------------------
 
 
