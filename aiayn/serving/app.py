@@ -200,6 +200,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     service = app.state.service
     service.worker.start()
     service.models.start()
+    if len(service.models.languages()) > 1:  # a server of many languages: its detector built meanwhile
+        asyncio.get_running_loop().run_in_executor(None, libre.warm_detector, service.models)
     yield
     service.closing = True  # new requests get 503; those queued are answered
     loop = asyncio.get_running_loop()

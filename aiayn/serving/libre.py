@@ -10,6 +10,7 @@ Texts are documents: split into sentences (documents.py), translated through the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -20,6 +21,7 @@ from starlette.formparsers import FormParser, MultiPartParser
 
 from aiayn.serving.documents import Document, split_html, split_text
 from aiayn.serving.languages import detect, language_name
+from aiayn.serving.models import Models
 from aiayn.serving.service import Gone, Service, authorized, read_body, service_of, through
 from aiayn.serving.worker import ApiError
 
@@ -155,9 +157,8 @@ async def translate_values(request: Request, service: Service, values: dict[str,
     models = service.models
     detected = None
     if source == "auto":
-        among = {s for s in models.sources() if target in models.targets(s)} or models.sources()
         plain = texts if text_format == "text" else [text_of_html(t) for t in texts]
-        detected = await detected_language("\n".join(plain), among)
+        detected = await detected_language("\n".join(plain), models, target)
         source = detected["language"]
     if source not in models.languages():
         raise not_supported(source)
@@ -219,14 +220,23 @@ def alternatives_of(
     return found
 
 
-async def detected_language(text: str, among: set[str]) -> dict[str, Any]:
+async def detected_language(text: str, models: Models, target: str) -> dict[str, Any]:
+    """The language of text, among those served, that is best and translates into target (else the best:
+    then the pair's error says why). One detector of all the languages served answers every request,
+    rather than one a target (each holds its languages' models in memory)."""
     loop = asyncio.get_running_loop()
     try:
-        found = await loop.run_in_executor(None, detect, text, among)
+        found = await loop.run_in_executor(None, detect, text, models.languages())
     except ValueError as e:
         raise LibreError(400, str(e)) from None
-    code, confidence = found[0]
+    code, confidence = next(((c, p) for c, p in found if target in models.targets(c)), found[0])
     return {"confidence": confidence, "language": code}
+
+
+def warm_detector(models: Models) -> None:
+    """Build the detector of the languages served before a first source=auto or /detect waits for it."""
+    with contextlib.suppress(ValueError):
+        detect("warm", models.languages())
 
 
 async def detect_endpoint(request: Request) -> Response:

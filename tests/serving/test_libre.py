@@ -184,6 +184,22 @@ def test_source_auto_detects_among_the_languages_served(client, translators):
     assert [d["language"] for d in batch["detectedLanguage"]] == ["en", "en"]
 
 
+def test_the_detector_is_built_at_start_once_for_every_language_served(model_dirs):
+    """Before a first source=auto waits for it; one detector of all the languages, whatever the target."""
+    from aiayn.serving import languages
+
+    languages._detector.cache_clear()
+    with TestClient(app_of(model_dirs.values())) as c:
+        deadline = time.monotonic() + 30
+        while languages._detector.cache_info().currsize == 0:
+            assert time.monotonic() < deadline, "no detector was built at start"
+            time.sleep(0.05)
+        for target in ("de", "fr"):
+            c.post("/translate", json={"q": SENTENCES[0], "source": "auto", "target": target})
+        c.post("/detect", json={"q": SENTENCES[0]})
+        assert languages._detector.cache_info().currsize == 1
+
+
 def test_a_paragraph_is_translated_sentence_by_sentence_and_joined_in_order(client, translators):
     paragraph = f"{SENTENCES[0]}  {SENTENCES[1]}\n\n{SENTENCES[2]} "
     body = client.post("/translate", json={"q": paragraph, "source": "en", "target": "de"}).json()
