@@ -177,8 +177,9 @@ async def translate_values(request: Request, service: Service, values: dict[str,
     # a sentence without a letter (a number, an emoji, a dash) comes back as it is, as LibreTranslate
     # returns a text of emoji: a model has nothing to translate there, and would make something up
     words = [s for s in sentences if any(c.isalpha() for c in s)]
+    n_best = alternatives + 1 if text_format == "text" else 1  # (html has no alternatives, as LibreTranslate)
     found, batch_size = (
-        await through(request, service, hops, words, None, alternatives + 1, "sentence") if words else ([], 0)
+        await through(request, service, hops, words, None, n_best, "sentence") if words else ([], 0)
     )
     translated_words = iter(found)
     results = [next(translated_words) if any(c.isalpha() for c in s) else [(s, 0.0)] for s in sentences]

@@ -142,7 +142,13 @@ def route(service: Service, name: str | None, source: str | None, target: str | 
     or the server's only model."""
     if name is not None or (source is None and target is None):
         model = service.models.named(name)
-        return [Hop(model, target if model.languages is not None and model.languages.tags else None)]
+        languages = model.languages
+        if languages is None or not languages.tags:  # one target: nothing to choose
+            return [Hop(model, None)]
+        if target is not None and target not in languages.tags:
+            raise ApiError(422, "invalid_request", f"model {model.name} does not write {target}: it translates "
+                           f"{languages.describe()}")  # fmt: skip
+        return [Hop(model, target)]
     if source is None or target is None:
         raise ApiError(422, "invalid_request", "name both languages, source and target, or neither")
     return service.models.route(source, target)

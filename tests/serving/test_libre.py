@@ -475,6 +475,11 @@ def test_an_imported_multilingual_model_serves_each_target_by_its_tag(tmp_path, 
     assert imported.languages is not None and set(imported.languages.target) == {"de", "fr"}
     texts = multi30k_lines("val.en.gz", 2)
     translator = Translator.load(imported, GREEDY, dtype="fp32", device="cpu")
+    with TestClient(app_of([tmp_path / "en-mul"])) as c:  # by name, a tag it has or one it has not
+        named = c.post("/translate", json={"text": texts, "model": "en-mul", "target": "fr"}).json()
+        assert named == {"translations": translator.translate([f">>fr<< {t}" for t in texts])}
+        wrong = c.post("/translate", json={"text": texts, "model": "en-mul", "target": "it"})
+        assert wrong.status_code == 422 and "does not write it" in wrong.json()["error"]["message"]
     port = free_port()
     command = [sys.executable, "-m", "aiayn", "serve", str(tmp_path / "en-mul"), str(model_dirs["de-en"]),
                "--port", str(port), "--dtype", "fp32", "--no-compile", "--threads", "1", "--beam-size", "1"]  # fmt: skip
