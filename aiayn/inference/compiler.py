@@ -117,6 +117,12 @@ def prepare(device: torch.device) -> None:
     about to compile packages for device (nothing for a GPU's)."""
     global _prepared
     if _prepared is None and device.type == "cpu":
+        # dynamo and inductor imported here first, in the caller's thread: the thread below imports inductor
+        # while the caller goes on into dynamo, which imports inductor too, and the second of two threads
+        # importing one package at once gets it half initialised (an ImportError of a circular import)
+        import torch._dynamo
+        import torch._inductor.utils  # noqa: F401
+
         _prepared = threading.Thread(target=_prepare, name="aiayn-prepare-compiler", daemon=True)
         _prepared.start()
 
