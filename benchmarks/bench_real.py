@@ -8,13 +8,14 @@ validation English sentences. For each model, search (greedy; beam 4 with the av
 and the model's alpha) and number format (fp32, int8):
 
 - `aiayn`: `aiayn translate MODEL --input F --output O` with no other flags for the model's own search
-  in the default number format (eager decoding); `--dtype int8` and `--beam-size 1` where asked;
-- `aiayn compiled`: the same with `--compile`, from a store an earlier `--compile` of the same file
-  filled (not timed), for the --compiled-models (the shared one by default: `small`'s and `base`'s
-  graphs take minutes each to compile);
+  in the default number format; `--dtype int8` and `--beam-size 1` where asked. For the
+  --compiled-models (all by default), an earlier `--compile` of the same file filled the store (not
+  timed), so this decodes with the stored graphs, as a user's runs do after one `--compile`; for the
+  others with none (eager decoding);
+- `aiayn eager`: the same with `--no-compile`;
 - `aiayn exact` (not run unless named): the same as `aiayn` with `--stopping exact`;
-- for the compiled models, `aiayn` and `aiayn compiled` also translate the first --few lines (1 and 8):
-  what loading the stored graphs costs a process that translates little;
+- for the compiled models, `aiayn`, `aiayn eager` and `aiayn --compile` also translate the first --few
+  lines (1 and 8): what loading the stored graphs costs a process that translates little;
 - `ctranslate2 1t`, `2t`: `aiayn export --format ctranslate2`'s directory in a process of its own that
   reads the file, tokenizes it with the model's tokenizer.json, calls `translate_batch` (the same beam
   and length penalty, max_batch_size 64) and writes the detokenized lines, with 1 or 2 threads.
@@ -59,7 +60,7 @@ CT2_COMPUTE = {"fp32": "float32", "int8": "int8"}
 FORMAT = {"default": "fp32", "int8": "int8"}
 SYSTEMS = (
     "aiayn",
-    "aiayn compiled",
+    "aiayn eager",
     "aiayn exact",
     "ctranslate2 1t",
     "ctranslate2 2t",
@@ -215,8 +216,10 @@ def main() -> None:
     ap.add_argument("--models", default="shared,small,base")
     ap.add_argument("--searches", default="greedy,beam4")
     ap.add_argument("--dtypes", default="default,int8")
-    ap.add_argument("--systems", default="aiayn,aiayn compiled,ctranslate2 1t,ctranslate2 2t")
-    ap.add_argument("--compiled-models", default="shared", help="the models `aiayn compiled` runs for")
+    ap.add_argument("--systems", default="aiayn,aiayn eager,ctranslate2 1t,ctranslate2 2t")
+    ap.add_argument(
+        "--compiled-models", default="shared,small,base", help="the models whose graphs are stored first"
+    )
     ap.add_argument("--few", default="1,8", help="also time the first N lines, eager and compiled (stored)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench_real"))
@@ -242,6 +245,9 @@ def main() -> None:
     with gzip.open(MULTI30K / "val.de.gz", "rt", encoding="utf-8") as f:
         references = f.read().splitlines()
     env = {**os.environ, "AIAYN_COMPILE_STORE": str(workdir / "store")}
+    # a user's Python writes the bytecode of what it imports once; where this machine's environment says
+    # not to, every process would compile every module it imports again (seconds of torch's import)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     systems = args.systems.split(",")
     print(f"machine: {machine()}", flush=True)
     results, profiles = [], {}
@@ -255,16 +261,13 @@ def main() -> None:
             beam = SEARCHES[search]
             for dtype in args.dtypes.split(","):
                 out = {system: workdir / f"out-{system.replace(' ', '-')}.txt" for system in SYSTEMS}
-                if "aiayn compiled" in systems and name in args.compiled_models.split(
-                    ","
-                ):  # the store filled as a user's first --compile fills it
-                    subprocess.run(aiayn_command(model, src, out["aiayn compiled"], dtype, beam, "--compile"), env=env,
+                compiled = name in args.compiled_models.split(",")
+                if compiled:  # the store filled as a user's first --compile fills it
+                    subprocess.run(aiayn_command(model, src, out["aiayn"], dtype, beam, "--compile"), env=env,
                                    check=True, capture_output=True)  # fmt: skip
                 commands = {
                     "aiayn": aiayn_command(model, src, out["aiayn"], dtype, beam),
-                    "aiayn compiled": aiayn_command(
-                        model, src, out["aiayn compiled"], dtype, beam, "--compile"
-                    ),
+                    "aiayn eager": aiayn_command(model, src, out["aiayn eager"], dtype, beam, "--no-compile"),
                     "aiayn exact": aiayn_command(
                         model, src, out["aiayn exact"], dtype, beam, "--stopping", "exact"
                     ),
@@ -275,9 +278,7 @@ def main() -> None:
                         ct2, src, out["ctranslate2 2t"], FORMAT[dtype], beam, alpha, 2
                     ),
                 }
-                here = [
-                    s for s in systems if s != "aiayn compiled" or name in args.compiled_models.split(",")
-                ]
+                here = list(systems)
                 runs: dict[str, list[tuple[float, float]]] = {s: [] for s in here}
                 for _ in range(args.reps):  # alternating: each system once a round
                     for system in here:
@@ -292,14 +293,21 @@ def main() -> None:
                     results.append(row)
                     print(f"{name:7} {search:6} {dtype:7} {system:15} decoding {decoding:6.2f} s "
                           f"({len(lines) / decoding:7.1f} sent/s)  whole {whole:6.2f} s  BLEU {bleu:5.2f}", flush=True)  # fmt: skip
-                if "aiayn compiled" in here:  # a few sentences: what loading the graphs costs a process
+                if compiled:  # a few sentences: what loading the graphs costs a process
+                    few_systems = {
+                        "aiayn": (),
+                        "aiayn eager": ("--no-compile",),
+                        "aiayn --compile": ("--compile",),
+                    }
                     for n in [int(n) for n in args.few.split(",") if n]:
                         few = workdir / f"val-{n}.en"
                         few.write_text("".join(line + "\n" for line in lines[:n]), encoding="utf-8")
-                        few_runs: dict[str, list[tuple[float, float]]] = {"aiayn": [], "aiayn compiled": []}
+                        few_runs: dict[str, list[tuple[float, float]]] = {
+                            system: [] for system in few_systems
+                        }
                         for _ in range(args.reps):
-                            for system, flags in (("aiayn", ()), ("aiayn compiled", ("--compile",))):
-                                command = aiayn_command(model, few, out[system], dtype, beam, *flags)
+                            for system, flags in few_systems.items():
+                                command = aiayn_command(model, few, out["aiayn"], dtype, beam, *flags)
                                 few_runs[system].append(timed(command, env)[:2])
                         for system, times in few_runs.items():
                             whole, decoding = min(w for w, _ in times), min(d for _, d in times)

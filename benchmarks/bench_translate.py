@@ -452,7 +452,7 @@ def translators(args: argparse.Namespace, workdir: Path, notes: list[str]) -> di
     else:
         notes.append("transformers not installed: Hugging Face Marian skipped")
     if device.type == "cpu":
-        # AOTInductor packages, as `--compile` keeps them (compiled.default_store); here a fresh store
+        # AOTInductor packages, as `--compile` keeps them (graph_store.default_store); here a fresh store
         makers["aiayn compiled (store)"] = lambda shape, dtype: aiayn_translator(
             shape,
             dtype,

@@ -451,7 +451,7 @@ def test_translate_starts_from_the_models_search_json_and_flags_override_it(work
     assert outputs["plain"] == outputs["explicit"]
 
 
-# --- Eager decoding by default; compiled with --compile ------------------------------------------------
+# --- The stored graphs by default, where there are any; compiled with --compile -------------------------
 
 
 @pytest.fixture
@@ -479,26 +479,33 @@ def decoders(monkeypatch):
     return made
 
 
-def test_translate_decodes_eagerly_by_default_even_where_the_store_holds_graphs(
+def test_translate_decodes_with_the_stored_graphs_by_default_and_eagerly_without(
     workdir, monkeypatch, decoders
 ):
-    """A store holding the model's graphs (`stored`, here told so): translate and evaluate still decode
-    eagerly by default, saying nothing of it (a process that translates once spends longer loading graphs
-    than they save); --compile decodes with a compiled decoder, giving eager's output."""
+    """translate and evaluate decode eagerly where the store has none of the model's graphs, saying nothing
+    of it, and with a StoredDecoder of them where it has (here told so: `stored`); --no-compile always
+    eagerly; --compile with a compiled decoder; every output eager's."""
     from aiayn.inference import translate
 
     root, model, _, _ = workdir
-    monkeypatch.setattr(translate, "stored", lambda model, store: True)
+    has = {"graphs": False}
+    monkeypatch.setattr(translate, "stored", lambda model, store: has["graphs"])
     argv = ["translate", model, "--input", root / "test.en"]
     code, eager, _ = run([*argv, "--no-compile"])
     assert code == 0 and decoders == []
     code, output, stderr = run(argv)
     assert code == 0 and output == eager and decoders == []
     assert "compile" not in stderr, stderr
+    has["graphs"] = True
+    code, output, _ = run([*argv, "--no-compile"])
+    assert code == 0 and output == eager and decoders == []
+    code, output, stderr = run(argv)
+    assert code == 0 and output == eager and [kind for kind, _ in decoders] == ["stored"]
+    assert "compile" not in stderr, stderr
     code, output, _ = run([*argv, "--compile"])
-    assert code == 0 and output == eager and [kind for kind, _ in decoders] == ["compile"]
+    assert code == 0 and output == eager and [kind for kind, _ in decoders] == ["stored", "compile"]
     code, _, _ = run(["evaluate", model, "--src", root / "test.en", "--ref", root / "test.xx", "--quiet"])
-    assert code == 0 and [kind for kind, _ in decoders] == ["compile"]
+    assert code == 0 and [kind for kind, _ in decoders] == ["stored", "compile", "stored"]
 
 
 # --- Fine-tuning ------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def compile_flag(p: argparse.ArgumentParser, default: str | None, unset: str) ->
         default=default,
         help="--compile: decode with a compiled step (torch.compile), compiling the graphs the input's "
         "batches need first, on every core, into ~/.cache/aiayn/compiled ($AIAYN_COMPILE_STORE), where later "
-        f"runs load them in a second; --no-compile: decode eagerly; neither: {unset} (docs/translation.md)",
+        f"runs load them in a fraction of a second; --no-compile: decode eagerly; neither: {unset} (docs/translation.md)",
     )
     p.add_argument(
         "--shortlist",
@@ -95,9 +95,12 @@ def search_flags(p: argparse.ArgumentParser) -> None:
         "or once none live can win (exact: the paper's code, more steps); default: the model's, else beam",
     )
     dtype_flag(p)
-    # eager by default: a process that translates once spends longer loading stored graphs than they save
-    # (benchmarks/bench_real.py); a server, which loads them once for many requests, compiles by default
-    compile_flag(p, False, "eager decoding")
+    # the graphs an earlier --compile left in the store by default, loaded in a fraction of a second and
+    # faster than eager decoding on a file's batches (benchmarks/bench_real.py); eager where there are none,
+    # as compiling costs minutes; a server, which compiles for many requests, compiles by default
+    compile_flag(
+        p, "stored", "the compiled graphs an earlier --compile stored, where there are any, else eager"
+    )
     device_flag(p)
 
 

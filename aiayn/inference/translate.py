@@ -13,16 +13,11 @@ from tqdm import tqdm
 
 from aiayn.checkpoint import ModelDir
 from aiayn.config import Compile, InferenceOptions, SearchConfig
-from aiayn.inference.compiled import (
-    CompiledDecoder,
-    NotStored,
-    StoredDecoder,
-    default_store,
-    row_class,
-    stored,
-)
+from aiayn.inference.compiled import CompiledDecoder, NotStored, StoredDecoder
+from aiayn.inference.graph_store import default_store, stored
 from aiayn.inference.search import Decoder, EagerDecoder, Hypothesis, max_lengths, search
 from aiayn.inference.shortlist import Shortlist, Shortlisted, load_shortlist
+from aiayn.inference.static_cache import row_class
 from aiayn.inference.warmup import SENTENCES, Warmup, classes_up_to, plan
 from aiayn.model import Transformer, attention_maps
 from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, for_inference, resolve_device
@@ -91,7 +86,7 @@ class Translator:
         (search.json), else §6.1's.
         options (config.InferenceOptions; overrides: some of its fields, e.g. dtype="fp32", device="cpu"):
         compile=True decodes with a compiled step (compiled.py): the first batch of each row class compiles
-        its graphs, or loads what an earlier process compiled from the store (compiled.default_store), and
+        its graphs, or loads what an earlier process compiled from the store (graph_store.default_store), and
         compile_ahead / compile_in_background compile them beforehand in worker processes; compile="stored"
         only loads, and decodes eagerly where the store has no graphs;
         shortlist restricts the output layer to the candidates of the directory's vmap.txt (shortlist.py)."""
@@ -166,7 +161,7 @@ class Translator:
         if not sizes:
             return
         needs = plan(self, [search_config], sizes)
-        if all(compiled._path(key).is_file() for key in needs):
+        if all(compiled.package_path(key).is_file() for key in needs):
             return
         warmup = Warmup(self.source, compiled, [search_config], sizes, workers, say, here=True, needs=needs)  # type: ignore[arg-type]
         warmup.start()

@@ -1,9 +1,9 @@
 """Compiling a translator's graphs in worker processes, at a low priority, while it decodes eagerly: what
 `aiayn serve` does at start, so that it answers from the moment the model is loaded and each row class of
-batches (compiled.row_class) moves to its compiled graphs once they are all in.
+batches (static_cache.row_class) moves to its compiled graphs once they are all in.
 
 A worker (`python -m aiayn.inference.warmup_worker`) loads the model directory with the translator's options,
-so its graphs get the same names in the store (compiled.fingerprint, checked), and runs one batch of each
+so its graphs get the same names in the store (graph_store.fingerprint, checked), and runs one batch of each
 row class with each search: first eagerly, meeting every graph the batches need in order (the plan),
 then compiling its share, every W-th graph of W workers (it runs the others eagerly, only to go on).
 It writes a JSON line to its events pipe for the plan and for each graph it has stored; the translator's
@@ -29,16 +29,21 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from aiayn.config import InferenceOptions, SearchConfig
 from aiayn.inference import compiler
-from aiayn.inference.compiled import MANY, CompiledDecoder
+from aiayn.inference.compiled import CompiledDecoder
+from aiayn.inference.static_cache import TRACED_SENTENCES
 from aiayn.tokenizer import EOS_ID
 
-# The sentences of the batch each row class is compiled with: the fewest of its class (the eager passes are
-# the cheaper), since the kernels are chosen for the class, not for its example (compiled.compiling). The
-# many class before the few: a graph both share (compiled.shared_class) is then compiled with the many's
-# batch, whose sizes inductor takes as the usual ones where it lays out loops.
-SENTENCES = MappingProxyType({"one": 1, "many": MANY, "few": 2})
+# The sentences of the batch each row class is compiled with: the rows its graphs are traced for
+# (TRACED_SENTENCES), since inductor takes an example's sizes as the usual ones where it lays out and
+# shares out loops among threads: the many class's graphs compiled with a batch of 8 decoded a file's
+# batches of hundreds of sentences a third slower than with 32 or with hundreds (benchmarks/bench_real.py,
+# AMD EPYC Zen 3, greedy). The many class before the few: a graph both share (compiled.shared_class) is
+# then compiled with the many's batch.
+SENTENCES = MappingProxyType({"one": 1, "many": TRACED_SENTENCES["many"], "few": 2})
 NICE = 10  # the workers' niceness: the process that answers requests comes first
 LINE_TOKENS = 16  # a warm-up line's source tokens, about a Multi30k sentence's
 PLAN_STEPS = 2  # how far past its source's length a planning search decodes a line (warm_up_batches)
@@ -225,7 +230,8 @@ class Warmup:
             command = [sys.executable, "-m", "aiayn.inference.warmup_worker", str(self.directory), "--options",
                        json.dumps(asdict(self.options)), "--searches", json.dumps([asdict(s) for s in self.searches]),
                        "--sizes", json.dumps(self.sizes), "--worker", str(index), "--workers", str(self.workers),
-                       "--events", str(write), "--fingerprint", expected, "--nice", str(0 if self.here else NICE)]  # fmt: skip
+                       "--events", str(write), "--fingerprint", expected, "--nice", str(0 if self.here else NICE),
+                       "--threads", str(torch.get_num_threads())]  # fmt: skip
             if self.needs is not None:
                 command += ["--plan", json.dumps(plan_as_json(self.needs))]
             env = {**os.environ, "AIAYN_COMPILE_STORE": str(self.decoder.store)}

@@ -10,6 +10,7 @@ import signal
 import sys
 
 import torch
+import torch._inductor.config
 
 from aiayn.config import InferenceOptions, SearchConfig
 from aiayn.inference.translate import Translator
@@ -19,7 +20,13 @@ from aiayn.inference.warmup import NICE, compile_share, plan_from_json
 def work(args: argparse.Namespace) -> None:
     """One worker: the plan, then its share of the graphs, each announced on the events pipe."""
     os.nice(args.nice)
+    # One thread for the worker's own eager passes, which share the cores with the other worker; the
+    # graphs' loops shared out among the threads of the process that decodes with them, as that process
+    # would compile them: inductor lays a kernel's loops out for the thread count it compiles under, and
+    # graphs compiled under the worker's one ran single-threaded (a file's greedy decoding steps 1.7 times
+    # slower, benchmarks/bench_real.py, AMD EPYC Zen 3, 2 cores).
     torch.set_num_threads(1)
+    torch._inductor.config.cpp.threads = args.threads
     events = os.fdopen(args.events, "w", encoding="utf-8", buffering=1)
     options = InferenceOptions(**{**json.loads(args.options), "compile": True})
     searches = [SearchConfig(**s) for s in json.loads(args.searches)]
@@ -54,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fingerprint", required=True, help="the graphs' fingerprint in the parent")
     parser.add_argument("--nice", type=int, default=NICE, help="the niceness to run at")
     parser.add_argument("--plan", help="the plan the parent made (warmup.plan_as_json), if it made one")
+    parser.add_argument("--threads", type=int, default=-1, help="the threads of the process that decodes")
     args = parser.parse_args(argv)
     # SIGTERM from stop(): unwind, so that a package being written is removed, not left half there
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -14,7 +14,7 @@ from aiayn.checkpoint import CONFIG, ModelDir
 from aiayn.config import InferenceOptions, ServeConfig
 from aiayn.extras import need
 from aiayn.files import check_writable_dir
-from aiayn.inference.compiled import stored
+from aiayn.inference.graph_store import stored
 from aiayn.inference.translate import Translator
 from aiayn.serving.app import create_app
 from aiayn.serving.models import Models, ServedModel, charge_of, default_cap, loader

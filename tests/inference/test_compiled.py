@@ -7,9 +7,10 @@ from conftest import EOS_HEAVY_V as V
 from conftest import eos_heavy_model, fused_attention_calls, sources
 
 from aiayn.config import SearchConfig
-from aiayn.inference.compiled import MANY, SENTENCES, CompiledDecoder, _batch, _shapes
+from aiayn.inference.compiled import CompiledDecoder, _mark_dynamic, _shapes
 from aiayn.inference.search import BeamLive, beam_candidates, greedy_candidates, search
 from aiayn.inference.shortlist import Shortlist, Shortlisted
+from aiayn.inference.static_cache import GROWTH, MANY, SENTENCES, SHRINK, dynamic, sized
 from aiayn.model import Transformer
 from aiayn.precision import for_inference
 from aiayn.tokenizer import EOS_ID
@@ -160,6 +161,44 @@ def test_a_batch_over_max_sentences_decodes_eagerly(decoders, monkeypatch):
     assert calls
 
 
+def test_a_steps_work_follows_the_live_sentences_and_the_positions_written(decoders, monkeypatch):
+    """A batch of the many class, beam 4: each step computes at most the live rows / SHRINK (or the
+    class's fewest sentences' rows), and its buffers hold at most GROWTH positions past those written;
+    the rows shrink and the buffers grow during the batch, and the tokens and scores are eager's."""
+    model, compiled = decoders
+    src = sources(2 * MANY, 9, seed=6)
+    config = SearchConfig(beam_size=4, n_best=2, max_len_a=0.0, max_len_b=40)
+    seen = []
+    step = compiled.decode
+
+    def decode(tgt_in, memory, cache=None):
+        logits = step(tgt_in, memory, cache)
+        seen.append((tgt_in.size(0), cache.rows, cache.layers[0].self_k.size(1), cache.written))
+        return logits
+
+    monkeypatch.setattr(compiled, "decode", decode)
+    fast, eager = search(compiled, src, config), search(model, src, config)
+    assert [[h.tokens for h in hyps] for hyps in fast] == [[h.tokens for h in hyps] for hyps in eager]
+    for got, want in zip(fast, eager):
+        torch.testing.assert_close([h.score for h in got], [h.score for h in want], atol=1e-4, rtol=0)
+    for live, rows, positions, written in seen:
+        assert live <= rows <= max(live / SHRINK, MANY * 4) and written <= positions < written + GROWTH
+    assert len({rows for _, rows, _, _ in seen}) > 1 and len({T for _, _, T, _ in seen}) > 1
+
+
+def test_dynamic_sizes_are_marked_for_dynamo_as_dynamo_marks_them():
+    """`dynamic` and `sized` record the sizes on the tensor without importing dynamo; torch.compile in
+    memory gets dynamo's own marks of them (_mark_dynamic), the same as marking them directly."""
+    ours, theirs = torch.zeros(8, 5, 3), torch.zeros(8, 5, 3)
+    sized(dynamic(ours, 1), 0, "many")
+    _mark_dynamic((ours,))
+    torch._dynamo.maybe_mark_dynamic(theirs, 1)
+    torch._dynamo.maybe_mark_dynamic(theirs, 0)
+    torch._dynamo.mark_dynamic(theirs, 0, min=SENTENCES["many"][0], max=SENTENCES["many"][1])
+    for name in ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices", "_dynamo_dynamic_range"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
 def test_compiled_int8_returns_eager_int8_tokens(decoders):
     """The int8 layers (precision.Int8Linear) compile into the same graph shape and give eager's tokens."""
     model, _ = decoders
@@ -233,8 +272,8 @@ def test_every_size_export_is_told_of_has_a_bound(row_class, rows):
     """torch.export needs a finite bound on every dynamic size, the rows (N times the sentences) included:
     a class of sentences without a most one was refused, at the compile of the many class's beam step,
     with export's "Expected derived max value of 4*sentences to be <= ..." (no compile needed to see it)."""
-    sentences = _batch(torch.zeros(MANY if row_class == "many" else 2, 5), 0, row_class)
-    cache = _batch(torch.zeros(rows * sentences.size(0), 5), 0, row_class, "rows")
+    sentences = sized(torch.zeros(MANY if row_class == "many" else 2, 5), 0, row_class)
+    cache = sized(torch.zeros(rows * sentences.size(0), 5), 0, row_class, "rows")
     dims = [d for shape in _shapes(("step", row_class, rows), (sentences, cache)) for d in shape.values()]
     least, most = SENTENCES[row_class]
     assert [(d.min, d.max) for d in dims] == [(least, most), (rows * least, rows * most)]

@@ -21,16 +21,8 @@ from torch._inductor import codecache
 
 from aiayn.config import SearchConfig
 from aiayn.inference import compiler
-from aiayn.inference.compiled import (
-    TRACED_CODE,
-    CompiledDecoder,
-    NotStored,
-    StoredDecoder,
-    _Damaged,
-    _load_stored,
-    _Package,
-    fingerprint,
-)
+from aiayn.inference.compiled import CompiledDecoder, NotStored, StoredDecoder
+from aiayn.inference.graph_store import TRACED_CODE, Damaged, Package, fingerprint, load_stored
 from aiayn.inference.search import greedy_candidates, search
 from aiayn.model import Transformer
 
@@ -168,9 +160,9 @@ def test_a_store_file_that_is_not_a_whole_package_of_its_graph_is_damaged(store,
     (other,) = store.glob("greedy-2-*.pt2")
     damaged = tmp_path / target.name
     damaged.write_bytes(DAMAGES[damage](target.read_bytes(), other.read_bytes()))
-    with pytest.raises(_Damaged, match=REASONS[damage]):
-        _load_stored(damaged)
-    assert isinstance(_load_stored(target), _Package)  # the whole one loads
+    with pytest.raises(Damaged, match=REASONS[damage]):
+        load_stored(damaged)
+    assert isinstance(load_stored(target), Package)  # the whole one loads
 
 
 def test_a_damaged_package_is_compiled_again_with_one_line_saying_so(model, store, tmp_path, capsys):
@@ -296,7 +288,7 @@ def test_a_package_is_named_for_the_weights_options_and_code_it_was_compiled_wit
     assert fingerprint(two_heads, options) != fingerprint(model, options)
     source = tmp_path / "search.py"  # the traced code, as a file of another version
     source.write_text("# one version\n")
-    monkeypatch.setattr("aiayn.inference.compiled.TRACED_CODE", (*TRACED_CODE, str(source)))
+    monkeypatch.setattr("aiayn.inference.graph_store.TRACED_CODE", (*TRACED_CODE, str(source)))
     before = fingerprint(model, options)
     source.write_text("# another version\n")
     assert fingerprint(model, options) != before

@@ -2,6 +2,10 @@
 output against a naive full-prefix decoder written here (all in fp32, which is exact), n-best lists, and
 vocabulary checks."""
 
+import ast
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import MIXED, TASK_SRC, TASK_TGT, naive_greedy
@@ -202,15 +206,16 @@ def test_stored_mode_loads_what_a_compile_stored_decodes_the_rest_eagerly_and_co
     translator loads and runs them, and a batch whose graphs are not there (three sentences; beam 2, found
     missing after the encoder's graphs ran) decodes eagerly; every output is eager's, and nothing more is
     compiled or written. The one test here that compiles (four small packages)."""
-    from aiayn.inference import compiled
+    from aiayn.inference import compiled, graph_store
 
     monkeypatch.setenv("AIAYN_COMPILE_STORE", str(tmp_path))
     # without inductor's GEMM autotuning, which only picks kernels and doubles the time; the packages'
     # names hold the options, so the compile and the later translators must agree on them
-    options = compiled.compile_options
-    monkeypatch.setattr(
-        compiled, "compile_options", lambda model, **given: options(model, max_autotune=False)
-    )
+    options = graph_store.compile_options
+    for module in (compiled, graph_store):
+        monkeypatch.setattr(
+            module, "compile_options", lambda model, **given: options(model, max_autotune=False)
+        )
     greedy = SearchConfig(beam_size=1, max_len_a=0.0, max_len_b=6)
     eager = Translator(model, tokenizer, greedy, "fp32")
     one, three = INPUTS[:1], [INPUTS[0], INPUTS[3], INPUTS[6]]
@@ -218,11 +223,29 @@ def test_stored_mode_loads_what_a_compile_stored_decodes_the_rest_eagerly_and_co
     first = Translator(model, tokenizer, greedy, "fp32", compile=True)
     assert first.translate(one) == eager.translate(one) and first.compiled.compile_seconds > 0
     packages = sorted(tmp_path.glob("*.pt2"))
-    assert compiled.stored(model, tmp_path) and not compiled.stored(Transformer(model.config), tmp_path)
-    assert not compiled.stored(model, tmp_path / "empty") and not compiled.stored(model, None)
+    assert graph_store.stored(model, tmp_path) and not graph_store.stored(Transformer(model.config), tmp_path)
+    assert not graph_store.stored(model, tmp_path / "empty") and not graph_store.stored(model, None)
     later = Translator(model, tokenizer, greedy, "fp32", compile="stored")
     assert isinstance(later.compiled, compiled.StoredDecoder)
     assert later.translate(one) == eager.translate(one) and later.compiled.load_seconds > 0
     assert later.translate(three) == eager.translate(three)
     assert later.translate(one, beam_size=2) == eager.translate(one, beam_size=2)
     assert later.compiled.compile_seconds == 0.0 and sorted(tmp_path.glob("*.pt2")) == packages
+    # A process that decodes with stored packages imports neither dynamo nor inductor (seconds of its start)
+    torch.save(model, tmp_path / "model.pt")
+    ids = tokenizer.encode_src(one)
+    child = f"""
+import sys, torch
+from aiayn.config import SearchConfig
+from aiayn.inference.compiled import StoredDecoder
+from aiayn.inference.search import search
+model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+decoder = StoredDecoder(model, {str(tmp_path)!r}, max_autotune=False)
+found = search(decoder, torch.tensor({ids!r}), SearchConfig(beam_size=1, max_len_a=0.0, max_len_b=6))
+assert decoder.load_seconds > 0 and decoder.compile_seconds == 0
+print(found[0][0].tokens)
+print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))))
+"""
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
+    tokens, compilers = out.strip().splitlines()
+    assert tokenizer.decode_tgt([ast.literal_eval(tokens)]) == eager.translate(one) and compilers == "[]"
