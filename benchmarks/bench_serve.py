@@ -1,7 +1,8 @@
 """Load on `aiayn serve`: client and server on loopback, cross-request batching on versus off.
 
 The server is `aiayn serve` started as a subprocess (one worker thread, `--threads 1`, so the load
-generator has the other core of a 2-core machine); the load is N concurrent clients, each sending one
+generator has the other core of a 2-core machine), as a user gets it: the torch engine's measured once
+the graphs it compiles in the background are in (its own store, runs/bench_serve/store, kept); the load is N concurrent clients, each sending one
 sentence per request (real Multi30k validation sentences) and sending the next as soon as the answer
 comes, for a fixed time and at most a fixed number of requests. A prober in its own process asks
 `/health` every 100 ms meanwhile. Each cell reports sentences/s, latency p50/p95/p99, errors by
@@ -57,6 +58,7 @@ from common import CONFIGS, cap_isa, have, machine, save_results, steal_ticks  #
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 DEFAULT_MODEL = ROOT / "runs" / "bench_serve" / "model"
+STORE = ROOT / "runs" / "bench_serve" / "store"  # the servers' compiled graphs, kept between runs
 HEALTH_EVERY_S = 0.1
 
 
@@ -111,19 +113,28 @@ class Server:
         models = [str(m) for m in (model if isinstance(model, list) else [model])]
         command = [sys.executable, "-m", "aiayn", "serve", *models, "--port", self.url.rsplit(":", 1)[1],
                    "--engine", engine, "--dtype", "fp32", "--threads", "1", *extra]  # fmt: skip
-        if engine == "torch":  # the eager server, as these figures measure it (serve compiles by default)
-            command.append("--no-compile")
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        # the server a user gets: it compiles its graphs in the background (into the benchmark's own store,
+        # so a later server loads them), and is measured once they are all in
+        env = {**os.environ, "AIAYN_COMPILE_STORE": str(STORE)}
+        self.proc = subprocess.Popen(
+            command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+        )
         deadline = time.monotonic() + 120
         while True:
             try:
                 httpx.get(f"{self.url}/health", timeout=1).raise_for_status()
-                return
+                break
             except httpx.HTTPError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.proc.kill()
                     sys.exit(f"the server did not start: {' '.join(command)}\n{self.proc.stderr.read()}")
                 time.sleep(0.2)
+        deadline = time.monotonic() + 1800
+        while time.monotonic() < deadline:  # a torch server compiles in the background: until it is done
+            compiled = httpx.get(f"{self.url}/info", timeout=5).json().get("compiled")
+            if compiled is None or compiled.get("state") in ("done", "failed", "off"):
+                return
+            time.sleep(1)
 
     def rss_mb(self) -> float:
         return rss_mb(self.proc.pid)

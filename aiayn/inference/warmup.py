@@ -231,7 +231,7 @@ class Warmup:
                        json.dumps(asdict(self.options)), "--searches", json.dumps([asdict(s) for s in self.searches]),
                        "--sizes", json.dumps(self.sizes), "--worker", str(index), "--workers", str(self.workers),
                        "--events", str(write), "--fingerprint", expected, "--nice", str(0 if self.here else NICE),
-                       "--threads", str(torch.get_num_threads())]  # fmt: skip
+                       "--threads", str(self.options.threads or torch.get_num_threads())]  # fmt: skip
             if self.needs is not None:
                 command += ["--plan", json.dumps(plan_as_json(self.needs))]
             env = {**os.environ, "AIAYN_COMPILE_STORE": str(self.decoder.store)}

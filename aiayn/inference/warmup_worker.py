@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fingerprint", required=True, help="the graphs' fingerprint in the parent")
     parser.add_argument("--nice", type=int, default=NICE, help="the niceness to run at")
     parser.add_argument("--plan", help="the plan the parent made (warmup.plan_as_json), if it made one")
-    parser.add_argument("--threads", type=int, default=-1, help="the threads of the process that decodes")
+    parser.add_argument("--threads", type=int, default=-1, help="the threads the graphs' decoding runs on")
     args = parser.parse_args(argv)
     # SIGTERM from stop(): unwind, so that a package being written is removed, not left half there
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
