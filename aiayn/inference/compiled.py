@@ -119,7 +119,7 @@ class CompiledDecoder(Decoder):
         self.max_sentences = min(max_sentences, MOST)  # larger batches decode eagerly
         self.options = compile_options(model, **options)
         # store: a directory of AOTInductor packages, one per graph and model, which a later process
-        # loads in a second or two instead of tracing and compiling again (None: compile in memory)
+        # loads in a fraction of a second instead of tracing and compiling again (None: compile in memory)
         self.store = Path(store) if store is not None else None
         self._store = GraphStore(self.store, model, self.options) if store is not None else None
 
