@@ -15,7 +15,9 @@ process group, which stop() ends: a package is written atomically, so none is ev
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from aiayn.config import InferenceOptions, SearchConfig
+from aiayn.files import atomic_write
 from aiayn.inference import compiler
 from aiayn.inference.compiled import CompiledDecoder
 from aiayn.inference.static_cache import TRACED_SENTENCES
@@ -225,6 +228,14 @@ class Warmup:
         """Start the workers; returns at once."""
         assert self.decoder.store is not None, "workers hand graphs over through a store"
         expected = self.decoder.model_fingerprint()
+        stored = None if self.here else self._stored_plan()
+        if stored is not None:  # an earlier start's plan, every graph of it stored: loaded here, no worker
+            self.progress.state = "compiling"
+            thread = threading.Thread(target=self._load_stored, args=(stored,), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+            self.say(f"compiled decoding: loading the {len(stored)} graphs an earlier start stored")
+            return
         for index in range(1 if self.here else 0, self.workers):
             read, write = os.pipe()
             command = [sys.executable, "-m", "aiayn.inference.warmup_worker", str(self.directory), "--options",
@@ -333,6 +344,8 @@ class Warmup:
                     for key, classes in plan_from_json(event["plan"]).items():
                         progress.graphs[key] = Graph(key, classes, worker=0)
                     self.say(f"compiled decoding: {len(progress.graphs)} graphs to compile")
+                    with contextlib.suppress(OSError):  # (for a later start: _stored_plan)
+                        atomic_write(self._plan_path(), lambda tmp: tmp.write_text(json.dumps(event["plan"])))
                 return
             key = _key(event["graph"])
         self.decoder.adopt(key, Path(event["path"]))  # outside the lock: loading takes a second or so
@@ -355,6 +368,39 @@ class Warmup:
             self.say(f"compiled decoding: graph {len(done)} of {len(progress.graphs)} in ({describe(key)}, "
                      f"{graph.seconds:.0f} s) after {elapsed:.0f} s{estimate}"
                      + (f"; {_opened(progress.ready)}" if progress.ready else ""))  # fmt: skip
+
+    def _plan_path(self) -> Path:
+        """Where the store keeps the plan of this warm-up (the model's fingerprint, its searches and classes):
+        a later start that finds every graph of it stored loads them itself, without a worker process (whose
+        start, a PyTorch import and a model's load, cost a warm server most of 30 s before full speed)."""
+        what = json.dumps([[asdict(s) for s in self.searches], self.sizes], sort_keys=True)
+        digest = hashlib.blake2b(what.encode(), digest_size=8).hexdigest()
+        return Path(self.decoder.store) / f"plan-{self.decoder.model_fingerprint()}-{digest}.json"
+
+    def _stored_plan(self) -> dict[tuple, set[str]] | None:
+        """The plan an earlier start stored, where every graph of it is in the store; else None."""
+        try:
+            needs = plan_from_json(json.loads(self._plan_path().read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return None
+        return needs if needs and all(self.decoder.package_path(key).is_file() for key in needs) else None
+
+    def _load_stored(self, needs: dict[tuple, set[str]]) -> None:
+        """Every graph of a stored plan adopted in turn, each class opened once its graphs are in, as the
+        workers' events would; a package that does not load leaves its classes eager, said once."""
+        with self.lock:
+            for key, classes in needs.items():
+                self.progress.graphs[key] = Graph(key, classes, worker=0)
+        try:
+            for key in needs:
+                self._event(
+                    0, {"graph": list(key), "path": str(self.decoder.package_path(key)), "seconds": 0.0}
+                )
+        except Exception as failure:  # (a damaged package: the next start compiles it again)
+            with self.lock:
+                self._fail(f"a stored graph did not load ({type(failure).__name__}: {failure})")
+        for index in range(self.workers):
+            self._finished(index, None)
 
     def _missing(self) -> list[tuple]:
         return [key for key, graph in self.progress.graphs.items() if graph.seconds is None]

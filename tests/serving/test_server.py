@@ -351,6 +351,8 @@ def test_a_server_can_hold_readiness_until_its_graphs_are_in(model_dir, translat
     until the graphs are in, while /translate answers anyway. (The graphs are those the test above made:
     the store is the test run's, so the worker loads them; one worker, a process start fewer.)"""
     compiled = Translator.load(model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu", compile=True)
+    for plan in compiled.compiled.store.glob("plan-*.json"):  # (else it loads them itself, at once: below)
+        plan.unlink()
     with client_for(
         compiled, batch_sentences=1, timeout_s=300, ready_when_compiled=True, compile_workers=1
     ) as c:
@@ -363,6 +365,40 @@ def test_a_server_can_hold_readiness_until_its_graphs_are_in(model_dir, translat
             assert time.monotonic() < deadline, "the graphs took over 5 minutes"
             time.sleep(0.2)
         assert c.get("/info").json()["compiled"]["state"] == "done"
+
+
+def test_a_later_start_loads_the_graphs_an_earlier_one_stored_without_a_worker(
+    model_dir, translator, monkeypatch
+):
+    """A start on a store that holds an earlier start's plan (the warm-up's graphs, which the workers
+    wrote beside them) and every graph of it: no worker process starts; this process adopts the
+    packages, the class opens, and the translations are eager's."""
+    from aiayn.inference import warmup
+
+    compiled = Translator.load(model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu", compile=True)
+    if not list(compiled.compiled.store.glob("plan-*.json")):  # the tests above, one by one
+        with client_for(compiled, batch_sentences=1, timeout_s=300, compile_workers=1) as c:
+            while c.get("/info").json()["compiled"]["state"] == "compiling":
+                time.sleep(0.2)
+        compiled = Translator.load(
+            model_dir, SearchConfig(beam_size=4), dtype="fp32", device="cpu", compile=True
+        )
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError(f"a worker process was started: {args}")
+
+    monkeypatch.setattr(warmup.subprocess, "Popen", no_worker)
+    with client_for(compiled, batch_sentences=1, timeout_s=300) as c:
+        deadline = time.monotonic() + 60
+        while (progress := c.get("/info").json()["compiled"])["state"] == "compiling":
+            assert time.monotonic() < deadline, progress
+            time.sleep(0.05)
+        assert progress["state"] == "done" and progress["ready"] == ["one"], progress
+        assert progress["graphs_done"] == progress["graphs_total"] == 3
+        monkeypatch.setattr(compiled, "eager", None)  # a batch falling back to eager now stops the worker
+        responses = concurrent(c, [{"text": [text]} for text in INPUTS])
+        assert [r.json()["translations"] for r in responses] == [translator.translate([t]) for t in INPUTS]
+    assert compiled.compiled.compile_seconds == 0.0 and len(compiled.compiled._packages) == 3
 
 
 def test_a_worker_that_fails_is_said_and_the_server_goes_on_eagerly(model_dir):
