@@ -333,6 +333,12 @@ class Warmup:
             if self.finished_workers == self.workers:
                 if self.progress.state == "compiling":
                     self.progress.state = "done" if self._missing() == [] else "failed"
+                    if self.progress.state == "done" and not self.here:  # for a later start: _stored_plan
+                        plan = plan_as_json(
+                            {key: graph.classes for key, graph in self.progress.graphs.items()}
+                        )
+                        with contextlib.suppress(OSError):
+                            atomic_write(self._plan_path(), lambda tmp: tmp.write_text(json.dumps(plan)))
                 self.progress.finished = time.monotonic()
                 self.done.set()
 
@@ -344,8 +350,6 @@ class Warmup:
                     for key, classes in plan_from_json(event["plan"]).items():
                         progress.graphs[key] = Graph(key, classes, worker=0)
                     self.say(f"compiled decoding: {len(progress.graphs)} graphs to compile")
-                    with contextlib.suppress(OSError):  # (for a later start: _stored_plan)
-                        atomic_write(self._plan_path(), lambda tmp: tmp.write_text(json.dumps(event["plan"])))
                 return
             key = _key(event["graph"])
         self.decoder.adopt(key, Path(event["path"]))  # outside the lock: loading takes a second or so
@@ -370,9 +374,10 @@ class Warmup:
                      + (f"; {_opened(progress.ready)}" if progress.ready else ""))  # fmt: skip
 
     def _plan_path(self) -> Path:
-        """Where the store keeps the plan of this warm-up (the model's fingerprint, its searches and classes):
-        a later start that finds every graph of it stored loads them itself, without a worker process (whose
-        start, a PyTorch import and a model's load, cost a warm server most of 30 s before full speed)."""
+        """Where the store keeps the plan of this warm-up (the model's fingerprint, its searches and classes),
+        written once every graph of it is in: a later start that finds them all stored loads them itself,
+        without a worker process (whose start, a PyTorch import and a model's load, cost a warm server most
+        of 30 s before full speed)."""
         what = json.dumps([[asdict(s) for s in self.searches], self.sizes], sort_keys=True)
         digest = hashlib.blake2b(what.encode(), digest_size=8).hexdigest()
         return Path(self.decoder.store) / f"plan-{self.decoder.model_fingerprint()}-{digest}.json"
