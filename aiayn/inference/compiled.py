@@ -457,9 +457,9 @@ def _traced(key: tuple) -> int | None:
 
 def _shapes(key: tuple, args: tuple) -> Any:
     """What torch.export is told of graph key's arguments: the sizes marked dynamic where the buffers
-    were made (_dynamic) are dynamic; a batch's sentences B are one size, bounded to the key's row class,
-    and its rows R are N times that, N = R / B the rows a sentence (_batch). (The arguments that are not
-    tensors are constants of the graph.)"""
+    were made (static_cache.dynamic) are dynamic; a batch's sentences B are one size, bounded to the key's
+    row class, and its rows R are N times that, N = R / B the rows a sentence (static_cache.sized). (The
+    arguments that are not tensors are constants of the graph.)"""
     from torch.export import Dim  # here: slow to import, and decoding from the store never needs it
 
     named: dict[str, Any] = {}

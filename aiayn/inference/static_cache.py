@@ -78,7 +78,7 @@ class StaticCache:
     position t are: buffer row * T_max + t. A reorder gathers this table's columns (eager decoding copies
     the buffers' rows instead, model.gather_rows: 2L x (R, T_max, D) values every step); a step writes its
     position in each row's own buffer row and says so in the table (`claim`). A position once written never
-    changes, so every ancestor's keys stay where they are. A cache of one row per sentence (greedy) has no
+    changes, so every ancestor's keys stay where they are, until the buffers are rebuilt (_rebuild). A cache of one row per sentence (greedy) has no
     table: its rows only ever leave, and are copied then."""
 
     layers: list[StaticLayerCache]
@@ -175,9 +175,11 @@ class StaticCache:
         """New buffers of `rows` rows and `positions` positions: row r holds what row index[r] (None: r)
         has written so far, in order, and no beam table is needed to find it (each row its own)."""
         n, device = self.written, self.length.device
+        where = None  # (R', n): where each new row's positions are in the buffers seen as (R * T, D)
+        if self.source is not None:
+            where = (self.source[:n] if index is None else self.source[:n].index_select(1, index)).t()
         if index is None:
             index = torch.arange(self.rows, device=device)
-        where = None if self.source is None else self.source[:n].index_select(1, index).t()  # (R', n)
         grown = []
         for layer in self.layers:
             for old in (layer.self_k, layer.self_v):
@@ -195,7 +197,7 @@ class StaticCache:
         self.rows = rows
 
     def _rows(self, t: Tensor, dim: int) -> Tensor:
-        """t with its size along dim, R, marked as the cache's rows (_batch)."""
+        """t with its size along dim, R, marked as the cache's rows (sized)."""
         return sized(t, dim, self.row_class, "rows")
 
 
