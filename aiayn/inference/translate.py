@@ -18,7 +18,7 @@ from aiayn.inference.graph_store import default_store, stored
 from aiayn.inference.search import Decoder, EagerDecoder, Hypothesis, max_lengths, search
 from aiayn.inference.shortlist import Shortlist, Shortlisted, load_shortlist
 from aiayn.inference.static_cache import row_class
-from aiayn.inference.warmup import SENTENCES, Warmup, classes_up_to, plan
+from aiayn.inference.warmup import SENTENCES, Warmup, classes_up_to, plan, store_plan, stored_plan
 from aiayn.model import Transformer, attention_maps
 from aiayn.precision import DEFAULT_DTYPE, Dtype, autocast, configure, for_inference, resolve_device
 from aiayn.tokenizer import BOS_ID, PAD_ID, Tokenizer
@@ -148,7 +148,8 @@ class Translator:
         """Compile the graphs that translating ids with this search will decode with, in worker processes
         that share the CPU's cores, and return once they are in (`aiayn translate --compile`): the row
         classes of its batches, found first by decoding each class's warm-up batch eagerly (warmup.plan),
-        so that graphs already in the store start no worker. A graph a worker failed to make is compiled
+        so that graphs already in the store start no worker; an earlier run's plan, where the store keeps
+        it (warmup.stored_plan), saves that pass. A graph a worker failed to make is compiled
         here, when its batch comes."""
         compiled = self._compiling()
         if compiled.store is None:  # nowhere to hand graphs over: each compiles here when first needed
@@ -160,8 +161,11 @@ class Translator:
         sizes = {cls: n for cls, n in SENTENCES.items() if cls in {row_class(b) for b in sentences}}
         if not sizes:
             return
+        if stored_plan(compiled, [search_config], sizes) is not None:  # an earlier run's, all of it stored
+            return
         needs = plan(self, [search_config], sizes)
         if all(compiled.package_path(key).is_file() for key in needs):
+            store_plan(compiled, [search_config], sizes, needs)
             return
         warmup = Warmup(self.source, compiled, [search_config], sizes, workers, say, here=True, needs=needs)  # type: ignore[arg-type]
         warmup.start()

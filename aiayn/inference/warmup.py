@@ -85,6 +85,37 @@ def plan_from_json(value: list) -> dict[tuple, set[str]]:
     return {_key(key): set(classes) for key, classes in value}
 
 
+def plan_path(decoder: CompiledDecoder, searches: list[SearchConfig], sizes: dict[str, int]) -> Path:
+    """Where the store keeps the plan of a warm-up (the model's fingerprint, its searches and classes),
+    written once every graph of it is in: a later start that finds them all stored loads them itself,
+    without a worker process (whose start, a PyTorch import and a model's load, cost a warm server most
+    of 30 s before full speed), and `--compile` skips its planning pass."""
+    what = json.dumps([[asdict(s) for s in searches], sizes], sort_keys=True)
+    digest = hashlib.blake2b(what.encode(), digest_size=8).hexdigest()
+    return Path(decoder.store) / f"plan-{decoder.model_fingerprint()}-{digest}.json"
+
+
+def stored_plan(
+    decoder: CompiledDecoder, searches: list[SearchConfig], sizes: dict[str, int]
+) -> dict[tuple, set[str]] | None:
+    """The plan an earlier start stored, where every graph of it is in the store; else None."""
+    try:
+        needs = plan_from_json(json.loads(plan_path(decoder, searches, sizes).read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return None
+    return needs if needs and all(decoder.package_path(key).is_file() for key in needs) else None
+
+
+def store_plan(
+    decoder: CompiledDecoder, searches: list[SearchConfig], sizes: dict[str, int], needs: dict[tuple, set[str]]
+) -> None:
+    """Keep a plan whose graphs are all in the store, for stored_plan (a store that cannot be written to
+    keeps none: the next start plans again)."""
+    text = json.dumps(plan_as_json(needs))
+    with contextlib.suppress(OSError):
+        atomic_write(plan_path(decoder, searches, sizes), lambda tmp: tmp.write_text(text))
+
+
 def share(needs: dict[tuple, set[str]], worker: int, workers: int) -> Callable[[tuple], bool]:
     """Worker `worker`'s share of the plan's graphs: every `workers`-th, in the order met (a graph the
     plan did not meet is worker 0's)."""
@@ -228,7 +259,7 @@ class Warmup:
         """Start the workers; returns at once."""
         assert self.decoder.store is not None, "workers hand graphs over through a store"
         expected = self.decoder.model_fingerprint()
-        stored = None if self.here else self._stored_plan()
+        stored = None if self.here else stored_plan(self.decoder, self.searches, self.sizes)
         if stored is not None:  # an earlier start's plan, every graph of it stored: loaded here, no worker
             self.progress.state = "compiling"
             thread = threading.Thread(target=self._load_stored, args=(stored,), daemon=True)
@@ -333,12 +364,9 @@ class Warmup:
             if self.finished_workers == self.workers:
                 if self.progress.state == "compiling":
                     self.progress.state = "done" if self._missing() == [] else "failed"
-                    if self.progress.state == "done" and not self.here:  # for a later start: _stored_plan
-                        plan = plan_as_json(
-                            {key: graph.classes for key, graph in self.progress.graphs.items()}
-                        )
-                        with contextlib.suppress(OSError):
-                            atomic_write(self._plan_path(), lambda tmp: tmp.write_text(json.dumps(plan)))
+                    if self.progress.state == "done":  # for a later start: stored_plan
+                        store_plan(self.decoder, self.searches, self.sizes,
+                                   {key: graph.classes for key, graph in self.progress.graphs.items()})  # fmt: skip
                 self.progress.finished = time.monotonic()
                 self.done.set()
 
@@ -372,23 +400,6 @@ class Warmup:
             self.say(f"compiled decoding: graph {len(done)} of {len(progress.graphs)} in ({describe(key)}, "
                      f"{graph.seconds:.0f} s) after {elapsed:.0f} s{estimate}"
                      + (f"; {_opened(progress.ready)}" if progress.ready else ""))  # fmt: skip
-
-    def _plan_path(self) -> Path:
-        """Where the store keeps the plan of this warm-up (the model's fingerprint, its searches and classes),
-        written once every graph of it is in: a later start that finds them all stored loads them itself,
-        without a worker process (whose start, a PyTorch import and a model's load, cost a warm server most
-        of 30 s before full speed)."""
-        what = json.dumps([[asdict(s) for s in self.searches], self.sizes], sort_keys=True)
-        digest = hashlib.blake2b(what.encode(), digest_size=8).hexdigest()
-        return Path(self.decoder.store) / f"plan-{self.decoder.model_fingerprint()}-{digest}.json"
-
-    def _stored_plan(self) -> dict[tuple, set[str]] | None:
-        """The plan an earlier start stored, where every graph of it is in the store; else None."""
-        try:
-            needs = plan_from_json(json.loads(self._plan_path().read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError):
-            return None
-        return needs if needs and all(self.decoder.package_path(key).is_file() for key in needs) else None
 
     def _load_stored(self, needs: dict[tuple, set[str]]) -> None:
         """Every graph of a stored plan adopted in turn, each class opened once its graphs are in, as the

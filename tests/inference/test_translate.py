@@ -11,6 +11,7 @@ import torch
 from conftest import MIXED, TASK_SRC, TASK_TGT, naive_greedy
 
 from aiayn.config import SearchConfig, preset
+from aiayn.inference import translate as translate_module
 from aiayn.inference import warmup
 from aiayn.inference.compiled import shared_class
 from aiayn.inference.translate import Translator
@@ -196,6 +197,38 @@ def test_the_warm_up_plan_finds_each_classs_graphs_in_order_and_compiles_nothing
             if cls in of and key[0] in ("memory", "step")
         )
     assert translator.compiled.compile_seconds == 0.0 and list(tmp_path.iterdir()) == []
+
+
+def test_compile_ahead_keeps_its_plan_and_a_later_run_skips_the_planning_pass(
+    model, tokenizer, tmp_path, monkeypatch
+):
+    """`aiayn translate --compile` with every graph already stored: the first run plans (decodes each
+    class's warm-up batch eagerly) and keeps the plan beside the graphs; a later run finds it and every
+    graph of it, and decodes nothing before its own work. A graph gone from the store voids the plan."""
+    from aiayn.checkpoint import save_model
+
+    store = tmp_path / "store"
+    monkeypatch.setenv("AIAYN_COMPILE_STORE", str(store))
+    save_model(tmp_path / "model", model, tokenizer)
+    beam = SearchConfig(beam_size=4)
+    translator = Translator.load(tmp_path / "model", beam, dtype="fp32", device="cpu", compile=True)
+    compiled = translator.compiled
+    store.mkdir()
+    ids = tokenizer.encode_src(INPUTS[:3])
+    sizes = {"few": classes_up_to(compiled.max_sentences)["few"]}
+    needs = plan(translator, [beam], sizes)
+    for key in needs:  # every graph stored (their contents are not read here)
+        compiled.package_path(key).write_bytes(b"")
+    planned = []
+    monkeypatch.setattr(translate_module, "plan", lambda *a: planned.append(1) or plan(*a))
+    no_worker = lambda *a, **k: pytest.fail("a warm-up started with every graph stored")  # noqa: E731
+    monkeypatch.setattr(translate_module, "Warmup", no_worker)
+    translator.compile_ahead(ids, beam, print)
+    assert planned == [1] and warmup.stored_plan(compiled, [beam], sizes) == needs
+    translator.compile_ahead(ids, beam, print)
+    assert planned == [1]  # the stored plan: no pass
+    compiled.package_path(next(iter(needs))).unlink()
+    assert warmup.stored_plan(compiled, [beam], sizes) is None
 
 
 def test_stored_mode_loads_what_a_compile_stored_decodes_the_rest_eagerly_and_compiles_nothing(
