@@ -299,7 +299,16 @@ def greedy_candidates(logits: Tensor, log_prob: Tensor, limit: Tensor, length: T
     now (EOS or their limit); any_done (), whether there is one (GreedyStep).
     """
     logits = logits.float()
-    best, token = logits[:, FIRST_OUTPUT:].max(dim=-1)  # (B,), (B,)
+    output = logits[:, FIRST_OUTPUT:]  # (B, V')
+    if torch.compiler.is_compiling():
+        # the same token, the first of the best, in two passes that inductor vectorises: its loop for
+        # max's indices is scalar, most of the graph's time (at 100 sentences of a 6,000-token vocabulary)
+        best = output.amax(dim=-1)  # (B,)
+        positions = torch.arange(output.size(-1), device=logits.device)  # (V',)
+        token = torch.where(output == best[:, None], positions, output.size(-1)).amin(dim=-1)
+        token = token.clamp_max(output.size(-1) - 1)  # (B,) (a row of NaNs has no best: any token)
+    else:  # eager: one pass
+        best, token = output.max(dim=-1)  # (B,), (B,)
     token = token + FIRST_OUTPUT
     log_prob = log_prob + (best - torch.logsumexp(logits, dim=-1))  # log_softmax at the best token
     done = (token == EOS_ID) | (limit <= length)  # (B,)
