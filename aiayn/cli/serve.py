@@ -36,7 +36,10 @@ def add_serve(sub: Any) -> None:
     )
     p.add_argument("--api-key", help="require Authorization: Bearer KEY on the API")
     p.add_argument(
-        "--cors-origin", action="append", default=[], help="allow this origin (CORS); none by default"
+        "--cors-origin",
+        action="append",
+        default=[],
+        help="allow only this origin (CORS; repeatable); every origin by default, as LibreTranslate",
     )
     config_flags(p, ServeConfig)
     p.set_defaults(func=cmd_serve)

@@ -48,6 +48,10 @@ from aiayn.serving.worker import STARTING, STOPPED, ApiError, Call, Metrics, Wor
 from aiayn.tokenizer import BOS_ID
 
 STATIC = Path(__file__).parent / "static"
+# CORS: every origin on every route, as LibreTranslate answers (web pages and browser extensions served
+# from elsewhere call it); `--cors-origin` narrows it. Preflights are cached for LibreTranslate's 20 days.
+ANY_ORIGIN = ("*",)
+CORS_MAX_AGE = 20 * 24 * 3600
 SECURITY_HEADERS = MappingProxyType(
     {
         "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'",  # no inline script, no framing
@@ -86,7 +90,7 @@ def create_app(
     engine: Any = None,
     threads: int | None = None,
     api_key: str | None = None,
-    cors_origins: tuple[str, ...] = (),
+    cors_origins: tuple[str, ...] = ANY_ORIGIN,
     engine_name: str = "torch",
     compile_workers: int = 2,
     options: InferenceOptions | None = None,
@@ -113,9 +117,10 @@ def create_app(
     app = FastAPI(title="aiayn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.add_middleware(Edge, metrics=metrics, api_key=api_key)
-    if cors_origins:
+    if cors_origins:  # outermost: its headers go on every answer, the Edge's errors included
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])  # fmt: skip
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Batch-Size"],
+                           max_age=CORS_MAX_AGE)  # fmt: skip
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(Exception, bug)  # a bug: logged by the server, never shown to the client
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -211,17 +216,19 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 async def api_error(request: Request, e: ApiError) -> JSONResponse:
-    return error_response(e, service_of(request).metrics)
+    return error_response(e, service_of(request).metrics, libre.speaks_libre(request.scope))
 
 
 async def bug(request: Request, e: Exception) -> JSONResponse:
     log.error("a bug answered 500: %r", e, exc_info=e)
-    return error_response(ApiError(500, "internal", "internal error"), service_of(request).metrics)
+    error = ApiError(500, "internal", "internal error")
+    return error_response(error, service_of(request).metrics, libre.speaks_libre(request.scope))
 
 
 async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
     kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-    return error_response(ApiError(e.status_code, kind, str(e.detail)), service_of(request).metrics)
+    error = ApiError(e.status_code, kind, str(e.detail))
+    return error_response(error, service_of(request).metrics, libre.speaks_libre(request.scope))
 
 
 async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -369,7 +376,8 @@ class Edge:
             if self.api_key and guarded and not authorized(headers, self.api_key):
                 error = ApiError(401, "unauthorized", "a valid API key is needed: Authorization: Bearer KEY",
                                  {"WWW-Authenticate": "Bearer"})  # fmt: skip
-                await error_response(error, self.metrics)(scope, receive_tracked, send_with_headers)
+                answer = error_response(error, self.metrics, libre.speaks_libre(scope))
+                await answer(scope, receive_tracked, send_with_headers)
             else:
                 await self.app(scope, receive_tracked, send_with_headers)
         finally:
@@ -404,9 +412,12 @@ PROTECTED = ("/attention", "/info", "/metrics")
 BODY_KEYS = ("/translate", "/detect")
 
 
-def error_response(e: ApiError, metrics: Metrics) -> JSONResponse:
+def error_response(e: ApiError, metrics: Metrics, libre_shape: bool = False) -> JSONResponse:
+    """aiayn's error shape, or LibreTranslate's for a request of its API (libre.speaks_libre)."""
     if e.status != 503:  # (overload and timeout count themselves where they happen)
         metrics.failures.labels(e.kind).inc()
+    if libre_shape:
+        return libre.answer(e)
     return JSONResponse({"error": {"type": e.kind, "message": e.message}}, e.status, headers=e.headers)
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Collection
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -42,6 +44,32 @@ def is_libre(request: Request, body: bytes) -> bool:
     return isinstance(value, dict) and "text" not in value and not LIBRE_KEYS.isdisjoint(value)
 
 
+# LibreTranslate's own routes: every answer there, an error of the server's edge too (a key, a body too
+# large, a route's wrong method, a bug), is in its shape, which its web page and clients read
+ROUTES = (
+    "/detect",
+    "/languages",
+    "/frontend/settings",
+    "/translate_file",
+    "/download_file",
+    "/suggest",
+    "/spec",
+)
+
+
+def speaks_libre(scope: dict) -> bool:
+    """Whether an answer to this request (its ASGI scope) is in LibreTranslate's shape: on its routes, and
+    on /translate when the parameters come as a form or in the query string (a JSON body is told apart
+    by is_libre once it is read; an error before that is in aiayn's shape)."""
+    path = scope.get("path", "")
+    if path in ROUTES or path.startswith("/download_file/"):
+        return True
+    if path != "/translate":
+        return False
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return content_type(Headers(scope=scope)) in FORMS or "q" in query
+
+
 def content_type(headers: Headers) -> str:
     return headers.get("content-type", "").split(";")[0].strip().lower()
 
@@ -55,9 +83,15 @@ class LibreError(Exception):
 
 
 def answer(error: LibreError | ApiError) -> JSONResponse:
-    """LibreTranslate's error shape. aiayn's statuses for a request it cannot take (413, 422) are
-    LibreTranslate's 400; overload and timeouts keep their 503 and Retry-After."""
-    status = 400 if error.status in (404, 413, 422) else error.status
+    """LibreTranslate's error shape. aiayn's statuses for a request it cannot take (a text or list over its
+    limits, 413; 422) are LibreTranslate's 400, as a model it has not (404); a body over --max-body-bytes
+    keeps its 413 (LibreTranslate's server answers one too), a route's wrong method its 405, an unknown
+    download its 404; overload and timeouts keep their 503 and Retry-After."""
+    kind = getattr(error, "kind", None)
+    mapped = (
+        error.status in (413, 422) and kind != "too_large" or (error.status == 404 and kind != "not_found")
+    )
+    status = 400 if mapped else error.status
     headers = error.headers if isinstance(error, ApiError) else {}
     return JSONResponse(
         {"error": error.message}, status, headers=headers
@@ -155,15 +189,19 @@ async def translate_values(request: Request, service: Service, values: dict[str,
     if text_format not in ("text", "html"):
         raise LibreError(400, f"{text_format} format is not supported")
     models = service.models
+    served = models.languages()
+    source, target = served_code(source, served), served_code(target, served)
     detected = None
     if source == "auto":
         plain = texts if text_format == "text" else [text_of_html(t) for t in texts]
         detected = await detected_language("\n".join(plain), models, target)
         source = detected["language"]
-    if source not in models.languages():
+    if source not in served:
         raise not_supported(source)
-    if target not in models.languages():
+    if target not in served:
         raise not_supported(target)
+    if source == target:  # LibreTranslate's identity translation: every text as it came
+        return JSONResponse(identity(texts if batch else texts[0], detected, alternatives))
     if target not in models.targets(source):
         raise LibreError(400, f"{language_name(target)} ({target}) is not available as a target language from "
                          f"{language_name(source)} ({source})")  # fmt: skip
@@ -200,6 +238,29 @@ async def translate_values(request: Request, service: Service, values: dict[str,
     return JSONResponse(result, headers={"X-Batch-Size": str(batch_size)})
 
 
+def served_code(code: str, served: Collection[str]) -> str:
+    """A language code as a client writes it, as the server names it: LibreTranslate reads codes in any
+    case and takes a script's or a region's code (zh-Hans, zh-Hant, pt-BR) for a model of it; here one
+    that no model names goes to the language's own code (zh, pt) where a model has that. Any other code
+    is returned lower-cased, for the caller's "not supported"."""
+    lowered = code.strip().lower()
+    by_lower = {c.lower(): c for c in served}
+    if lowered in by_lower or lowered == "auto":
+        return by_lower.get(lowered, lowered)
+    base = lowered.replace("_", "-").split("-")[0]
+    return by_lower.get(base, lowered)
+
+
+def identity(q: str | list[str], detected: dict[str, Any] | None, alternatives: int) -> dict[str, Any]:
+    """The answer to a request whose source is its target (given, or detected): the text itself."""
+    result: dict[str, Any] = {"translatedText": q}
+    if detected is not None:
+        result["detectedLanguage"] = [detected] * len(q) if isinstance(q, list) else detected
+    if alternatives > 0:
+        result["alternatives"] = [[] for _ in q] if isinstance(q, list) else []
+    return result
+
+
 def text_of_html(markup: str) -> str:
     """What a page says, for telling its language: its tags' names and attributes are not its language."""
     from bs4 import BeautifulSoup
@@ -222,16 +283,28 @@ def alternatives_of(
 
 
 async def detected_language(text: str, models: Models, target: str) -> dict[str, Any]:
-    """The language of text, among those served, that is best and translates into target (else the best:
-    then the pair's error says why). One detector of all the languages served answers every request,
-    rather than one a target (each holds its languages' models in memory)."""
+    """The language of text, among those served, that is best and is the target or translates into it
+    (else the best: then the pair's error says why). One detector of all the languages served answers
+    every request, rather than one a target (each holds its languages' models in memory). A text without
+    a letter (emoji, numbers) has no language: LibreTranslate answers English with confidence 0 and
+    returns the text, which the pipeline does for every sentence without a letter; here English where it
+    reaches the target, else the first language served that does."""
+    reaches = lambda code: code == target or target in models.targets(code)  # noqa: E731
+    if not any(c.isalpha() for c in text):
+        code = next((c for c in ["en", *sorted(models.languages())] if reaches(c)), "en")
+        return {"confidence": 0.0, "language": code}
+    found = await detected(text, models)
+    code, confidence = next(((c, p) for c, p in found if reaches(c)), found[0])
+    return {"confidence": confidence, "language": code}
+
+
+async def detected(text: str, models: Models) -> list[tuple[str, float]]:
+    """detect() among the languages served, off the event loop; what it cannot tell is a 400."""
     loop = asyncio.get_running_loop()
     try:
-        found = await loop.run_in_executor(None, detect, text, models.languages())
+        return await loop.run_in_executor(None, detect, text, models.languages())
     except ValueError as e:
         raise LibreError(400, str(e)) from None
-    code, confidence = next(((c, p) for c, p in found if target in models.targets(c)), found[0])
-    return {"confidence": confidence, "language": code}
 
 
 def warm_detector(models: Models) -> None:
@@ -241,7 +314,11 @@ def warm_detector(models: Models) -> None:
 
 
 async def detect_endpoint(request: Request) -> Response:
-    """LibreTranslate's /detect: the languages q may be in, among those served, best first."""
+    """LibreTranslate's /detect: the (at most DETECTED) languages q may be in, among those served, best
+    first, with whole-number confidences; q a text or a list of texts, whose candidates are merged (each
+    language's mean confidence over the texts, ranked by its confidence weighted by the texts' lengths).
+    No character limit, as LibreTranslate's (the body's limit holds). Text without a letter: English,
+    confidence 0, as LibreTranslate."""
     service = service_of(request)
     try:
         values = await values_of(request, await read_body(request, service))
@@ -250,20 +327,32 @@ async def detect_endpoint(request: Request) -> Response:
         q = values.get("q")
         if not q:
             raise LibreError(400, "Invalid request: missing q parameter")
-        if not isinstance(q, str):
-            raise LibreError(400, "Invalid request: q must be a text")
-        if len(q) > service.config.max_chars:
-            raise LibreError(
-                400, f"Invalid request: request ({len(q)}) exceeds text limit ({service.config.max_chars})"
-            )
-        loop = asyncio.get_running_loop()
-        try:
-            found = await loop.run_in_executor(None, detect, q, service.models.languages())
-        except ValueError as e:
-            raise LibreError(400, str(e)) from None
+        if not (isinstance(q, str) or (isinstance(q, list) and all(isinstance(t, str) for t in q))):
+            raise LibreError(400, "Invalid request: q must be a text or a list of texts")
+        texts = [q] if isinstance(q, str) else [t for t in q if t]
+        found = [await detected(t, service.models) if any(c.isalpha() for c in t) else [] for t in texts]
     except (LibreError, ApiError) as e:
         return answer(e)
-    return JSONResponse([{"confidence": confidence, "language": code} for code, confidence in found])
+    return JSONResponse(merged(texts, found))
+
+
+DETECTED = 3  # the languages /detect names at most, as LibreTranslate
+
+
+def merged(texts: list[str], found: list[list[tuple[str, float]]]) -> list[dict[str, Any]]:
+    """The candidates of each text, DETECTED best each, merged over the texts (detect_endpoint)."""
+    confidences: dict[str, list[float]] = {}
+    weights: dict[str, float] = {}
+    for text, candidates in zip(texts, found):
+        for code, confidence in candidates[:DETECTED]:
+            confidences.setdefault(code, []).append(confidence)
+            weights[code] = weights.get(code, 0.0) + confidence * len(text)
+    if not confidences:
+        return [{"confidence": 0.0, "language": "en"}]
+    ranked = sorted(confidences, key=lambda code: -weights[code])[:DETECTED]
+    return [
+        {"confidence": float(round(sum(confidences[c]) / len(confidences[c]))), "language": c} for c in ranked
+    ]
 
 
 async def languages_endpoint(request: Request) -> Response:

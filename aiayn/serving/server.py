@@ -16,7 +16,7 @@ from aiayn.extras import need
 from aiayn.files import check_writable_dir
 from aiayn.inference.graph_store import stored
 from aiayn.inference.translate import Translator
-from aiayn.serving.app import create_app
+from aiayn.serving.app import ANY_ORIGIN, create_app
 from aiayn.serving.models import Models, ServedModel, charge_of, default_cap, loader
 from aiayn.serving.worker import log
 
@@ -33,7 +33,8 @@ def serve(
 ) -> None:
     """Serve the models until Ctrl-C or SIGTERM (then what is queued is answered first). A folder of model
     directories stands for them all; a directory that is no model is refused with its reason and the others
-    are served (a ValueError when none is left)."""
+    are served (a ValueError when none is left). cors_origins: the origins allowed (CORS), every one if
+    none is named."""
     import uvicorn
 
     if options.engine == "ctranslate2":  # before the port and the models
@@ -55,7 +56,7 @@ def serve(
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it", host)
     with listener:
         app = create_app(
-            models, config, threads=options.threads, api_key=api_key, cors_origins=cors_origins,
+            models, config, threads=options.threads, api_key=api_key, cors_origins=cors_origins or ANY_ORIGIN,
             engine_name=options.engine, options=options,
         )  # fmt: skip
         # Everything loaded so far (torch, the model, CTranslate2's converters: a quarter of a million

@@ -234,3 +234,51 @@ def test_a_pair_chosen_on_the_page_is_translated_by_its_model(served_model, brow
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+CROSS_ORIGIN_PAGE = """<!doctype html><html><body><pre id="out"></pre><script>
+const server = new URLSearchParams(location.search).get("server");
+async function ask(body) {
+  const r = await fetch(server + "/translate", {method: "POST", headers: {"Content-Type": "application/json"},
+                                                 body: JSON.stringify(body)});
+  return {status: r.status, body: await r.json()};
+}
+(async () => {
+  const out = document.getElementById("out");
+  try {
+    out.textContent = JSON.stringify([await ask({text: TEXT}), await ask({text: "x".repeat(101)})]);
+  } catch (e) { out.textContent = "failed: " + e; }
+})();
+</script></body></html>"""
+
+
+def test_a_page_of_another_origin_translates_through_cors(server, browser, translator):
+    """As with LibreTranslate, a web page served from elsewhere (another port: another origin) posts JSON
+    to the server, which needs a CORS preflight: the translation, and an error's body, reach its script."""
+    import http.server
+    import threading
+
+    page = CROSS_ORIGIN_PAGE.replace("TEXT", json.dumps(TEXTS[0])).encode()
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Page)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        browser.get(f"http://127.0.0.1:{other.server_port}/?server={server}")
+        WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "out").text)
+        text = browser.find_element(By.ID, "out").text
+        assert not text.startswith("failed"), text
+        answer, refused = json.loads(text)
+        assert answer == {"status": 200, "body": {"translations": translator.translate(TEXTS[:1])}}
+        assert refused["status"] == 413 and refused["body"]["error"]["type"] == "too_long"
+    finally:
+        other.shutdown()

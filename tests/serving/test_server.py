@@ -239,15 +239,26 @@ def test_an_api_key_guards_the_api_but_not_the_page_or_health(translator):
         assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
 
 
-def test_no_cors_unless_asked(translator):
+def test_cors_allows_every_origin_unless_narrowed(translator):
+    """As LibreTranslate: every origin on every route, a preflight answered, the errors too (a page
+    elsewhere reads them); --cors-origin narrows it to the origins named."""
     origin = {"Origin": "http://elsewhere.example"}
+    preflight = {**origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"}  # fmt: skip
     with client_for(translator) as c:
-        assert "access-control-allow-origin" not in c.get("/health", headers=origin).headers
+        assert c.get("/health", headers=origin).headers["access-control-allow-origin"] == "*"
+        answer = c.options("/translate", headers=preflight)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+        assert "POST" in answer.headers["access-control-allow-methods"]
+        refused = c.post("/translate", json={"nope": 1}, headers=origin)
+        assert refused.status_code == 422 and refused.headers["access-control-allow-origin"] == "*"
     with client_for(translator, cors_origins=("http://elsewhere.example",)) as c:
         assert (
             c.get("/health", headers=origin).headers["access-control-allow-origin"]
             == "http://elsewhere.example"
         )
+        other = {"Origin": "http://other.example"}
+        assert "access-control-allow-origin" not in c.get("/health", headers=other).headers
 
 
 # --- Batching across requests ----------------------------------------------------------------------------
