@@ -292,6 +292,10 @@ class ServeConfig:
         0,
         "memory for the models in memory, in MiB; past it the least recently used is unloaded (0: half the machine's)",
     )
+    files_translation: bool = _about(
+        True,
+        "translate files on LibreTranslate's /translate_file (--no-files-translation: its --disable-files-translation)",
+    )
     ready_when_compiled: bool = _about(
         False,
         "/health says 503 until the compiled graphs are in, for a readiness probe (the server answers anyway)",

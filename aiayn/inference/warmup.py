@@ -107,7 +107,10 @@ def stored_plan(
 
 
 def store_plan(
-    decoder: CompiledDecoder, searches: list[SearchConfig], sizes: dict[str, int], needs: dict[tuple, set[str]]
+    decoder: CompiledDecoder,
+    searches: list[SearchConfig],
+    sizes: dict[str, int],
+    needs: dict[tuple, set[str]],
 ) -> None:
     """Keep a plan whose graphs are all in the store, for stored_plan (a store that cannot be written to
     keeps none: the next start plans again)."""

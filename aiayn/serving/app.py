@@ -129,6 +129,12 @@ def create_app(
     app.add_api_route("/translate", translate_endpoint, methods=["POST"])
     app.add_api_route("/attention", attention_endpoint, methods=["POST"])
     app.add_api_route("/detect", libre.detect_endpoint, methods=["POST"])
+    app.add_api_route("/translate_file", libre.translate_file_endpoint, methods=["POST"])
+    app.add_api_route("/download_file/{filename}", libre.download_file_endpoint, methods=["GET"],
+                      name="download_file")  # fmt: skip
+    app.add_api_route("/suggest", libre.suggest_endpoint, methods=["POST"])
+    app.add_api_route("/spec", libre.spec_endpoint, methods=["GET"])
+    app.state.files = libre.TranslatedFiles()
     for path, endpoint in (
         ("/health", health),
         ("/info", info_endpoint),
@@ -213,6 +219,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     # first, and at once: the compiles in the background are of no use now
     await loop.run_in_executor(None, service.models.stop)
     await loop.run_in_executor(None, service.worker.stop, service.config.timeout_s)
+    app.state.files.close()
 
 
 async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -406,10 +413,10 @@ async def drain(receive: Callable, body_done: list[bool]) -> None:
 
 
 ENDPOINTS = ("/translate", "/attention", "/detect", "/languages", "/frontend/settings", "/health", "/info", "/metrics",
-             "/")  # fmt: skip
+             "/translate_file", "/suggest", "/spec", "/")  # fmt: skip
 # (/translate and /detect check their keys themselves: LibreTranslate's clients send theirs in the body)
 PROTECTED = ("/attention", "/info", "/metrics")
-BODY_KEYS = ("/translate", "/detect")
+BODY_KEYS = ("/translate", "/detect", "/translate_file")
 
 
 def error_response(e: ApiError, metrics: Metrics, libre_shape: bool = False) -> JSONResponse:

@@ -12,16 +12,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.formparsers import FormParser, MultiPartParser
 
+from aiayn.files import atomic_write
 from aiayn.serving.documents import Document, split_html, split_text
+from aiayn.serving.file_formats import FORMATS, open_file
 from aiayn.serving.languages import detect, language_name
 from aiayn.serving.models import Models
 from aiayn.serving.service import Gone, Service, authorized, read_body, service_of, through
@@ -188,47 +196,23 @@ async def translate_values(request: Request, service: Service, values: dict[str,
     text_format = values.get("format") or "text"
     if text_format not in ("text", "html"):
         raise LibreError(400, f"{text_format} format is not supported")
-    models = service.models
-    served = models.languages()
-    source, target = served_code(source, served), served_code(target, served)
-    detected = None
-    if source == "auto":
-        plain = texts if text_format == "text" else [text_of_html(t) for t in texts]
-        detected = await detected_language("\n".join(plain), models, target)
-        source = detected["language"]
-    if source not in served:
-        raise not_supported(source)
-    if target not in served:
-        raise not_supported(target)
+    plain = texts if text_format == "text" else [text_of_html(t) for t in texts]
+    source, target, detected = await pair(service, source, target, plain)
     if source == target:  # LibreTranslate's identity translation: every text as it came
         return JSONResponse(identity(texts if batch else texts[0], detected, alternatives))
-    if target not in models.targets(source):
-        raise LibreError(400, f"{language_name(target)} ({target}) is not available as a target language from "
-                         f"{language_name(source)} ({source})")  # fmt: skip
-    hops = models.route(source, target)
-    split = split_html if text_format == "html" else split_text
-    try:
-        documents = [split(text, source) for text in texts]
-    except ValueError as e:
-        raise LibreError(400, f"Invalid request: {e}") from None
-    sentences = [s for document in documents for s in document.sentences]
-    # a sentence without a letter (a number, an emoji, a dash) comes back as it is, as LibreTranslate
-    # returns a text of emoji: a model has nothing to translate there, and would make something up
-    words = [s for s in sentences if any(c.isalpha() for c in s)]
     n_best = alternatives + 1 if text_format == "text" else 1  # (html has no alternatives, as LibreTranslate)
-    found, batch_size = (
-        await through(request, service, hops, words, None, n_best, "sentence") if words else ([], 0)
+    hops = service.models.route(source, target)
+    documents, results, batch_size = await translated(
+        request, service, hops, texts, text_format, source, n_best
     )
-    translated_words = iter(found)
-    results = [next(translated_words) if any(c.isalpha() for c in s) else [(s, 0.0)] for s in sentences]
-    translated, alts, start = [], [], 0
+    outputs, alts, start = [], [], 0
     for document in documents:
         mine = results[start : start + len(document.sentences)]
         start += len(document.sentences)
         main = document.join([n_best[0][0] for n_best in mine])
-        translated.append(main)
+        outputs.append(main)
         alts.append([] if text_format == "html" else alternatives_of(document, mine, main, alternatives))
-    result: dict[str, Any] = {"translatedText": translated if batch else translated[0]}
+    result: dict[str, Any] = {"translatedText": outputs if batch else outputs[0]}
     if detected is not None:
         result["detectedLanguage"] = [detected] * len(texts) if batch else detected
     if alternatives > 0:
@@ -236,6 +220,56 @@ async def translate_values(request: Request, service: Service, values: dict[str,
     if len(hops) > 1:
         result["pivot"] = hops[0].target  # (not LibreTranslate's: it says nothing of its pivots)
     return JSONResponse(result, headers={"X-Batch-Size": str(batch_size)})
+
+
+async def pair(
+    service: Service, source: str, target: str, plain: list[str]
+) -> tuple[str, str, dict[str, Any] | None]:
+    """The source and target as the server names them, the source detected in the plain texts where it is
+    "auto" (with what was detected); a language not served, or a pair no model reaches, is a 400."""
+    models = service.models
+    served = models.languages()
+    source, target = served_code(source, served), served_code(target, served)
+    detected = None
+    if source == "auto":
+        detected = await detected_language("\n".join(plain), models, target)
+        source = detected["language"]
+    if source not in served:
+        raise not_supported(source)
+    if target not in served:
+        raise not_supported(target)
+    if source != target and target not in models.targets(source):
+        raise LibreError(400, f"{language_name(target)} ({target}) is not available as a target language from "
+                         f"{language_name(source)} ({source})")  # fmt: skip
+    return source, target, detected
+
+
+async def translated(
+    request: Request,
+    service: Service,
+    hops: list,
+    texts: list[str],
+    text_format: str,
+    source: str,
+    n_best: int,
+) -> tuple[list[Document], list[list[tuple[str, float]]], int]:
+    """Texts as documents (text or html) split into sentences, and each sentence's n-best translations
+    through the hops, with the batch size they rode in. A sentence without a letter (a number, an emoji,
+    a dash) comes back as it is, as LibreTranslate returns a text of emoji: a model has nothing to
+    translate there, and would make something up."""
+    split = split_html if text_format == "html" else split_text
+    try:
+        documents = [split(text, source) for text in texts]
+    except ValueError as e:
+        raise LibreError(400, f"Invalid request: {e}") from None
+    sentences = [s for document in documents for s in document.sentences]
+    words = [s for s in sentences if any(c.isalpha() for c in s)]
+    found, batch_size = (
+        await through(request, service, hops, words, None, n_best, "sentence") if words else ([], 0)
+    )
+    translated_words = iter(found)
+    results = [next(translated_words) if any(c.isalpha() for c in s) else [(s, 0.0)] for s in sentences]
+    return documents, results, batch_size
 
 
 def served_code(code: str, served: Collection[str]) -> str:
@@ -377,10 +411,157 @@ async def settings_endpoint(request: Request) -> Response:
         "apiKeys": bool(service.api_key),
         "keyRequired": bool(service.api_key),
         "suggestions": False,
-        "filesTranslation": False,
-        "supportedFilesFormat": [],
+        "filesTranslation": service.config.files_translation,
+        "supportedFilesFormat": list(FORMATS) if service.config.files_translation else [],
         "language": {
             "source": {"code": "auto", "name": "Auto Detect"},
             "target": {"code": target, "name": language_name(target)},
         },
     })  # fmt: skip
+
+
+# --- Files: /translate_file and /download_file ---------------------------------------------------------
+
+FILES_DISABLED = "Files translation are disabled on this server."
+FILE_LIFETIME_S = 30 * 60  # how long a translated file waits for its download (LibreTranslate's)
+FILE_CHUNK = 256  # a file's sentences go to the worker this many at a time: a long file never fills its queue
+
+
+class TranslatedFiles:
+    """The translated files /download_file serves, in a directory of the server's own, each kept
+    FILE_LIFETIME_S after it was written; the directory goes with the server (close)."""
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="aiayn-files-"))
+
+    def keep(self, name: str, data: bytes) -> str:
+        """Store a translated file; the name /download_file knows it by (a random prefix, then name)."""
+        self.forget_old()
+        filename = f"{uuid.uuid4().hex}.{name}"
+        atomic_write(self.directory / filename, lambda tmp: tmp.write_bytes(data))
+        return filename
+
+    def find(self, filename: str) -> Path:
+        if "/" in filename or "\\" in filename or filename.startswith(".") or "." not in filename:
+            raise LibreError(400, "Invalid filename")
+        path = self.directory / filename
+        if not path.is_file() or time.time() - path.stat().st_mtime > FILE_LIFETIME_S:
+            raise ApiError(404, "not_found", f"no file {filename} (a translated file is kept 30 minutes)")
+        return path
+
+    def forget_old(self) -> None:
+        for path in self.directory.iterdir():
+            with contextlib.suppress(OSError):
+                if time.time() - path.stat().st_mtime > FILE_LIFETIME_S:
+                    path.unlink()
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+async def translate_file_endpoint(request: Request) -> Response:
+    """LibreTranslate's /translate_file: a multipart form with `file` (one of file_formats.FORMATS), `source`
+    (or "auto"), `target` and `api_key`; answers {"translatedFileUrl": the /download_file URL}. The file is
+    limited by --max-body-bytes; each paragraph is translated whole (file_formats.py)."""
+    service = service_of(request)
+    try:
+        if not service.config.files_translation:
+            raise LibreError(403, FILES_DISABLED)
+        values, upload = await file_form(request, service)
+        check_key(request, service, values)
+        service.charge(request)
+        source, target = values.get("source"), values.get("target")
+        for name, value in (("file", upload), ("source", source), ("target", target)):
+            if not value:
+                raise LibreError(400, f"Invalid request: missing {name} parameter")
+        filename = Path(upload.filename or "").name  # type: ignore[union-attr]
+        stem, extension = os.path.splitext(filename)
+        if not stem:
+            raise LibreError(400, "Invalid request: empty file")
+        if extension.lower() not in FORMATS:
+            raise LibreError(400, "Invalid request: file format not supported")
+        try:
+            opened = open_file(await upload.read(), extension)  # type: ignore[union-attr]
+        except ValueError as e:
+            raise LibreError(400, f"Invalid request: {e}") from None
+        texts = [slot.text for slot in opened.slots]
+        text_format = "html" if opened.markup else "text"
+        plain = texts if text_format == "text" else [text_of_html(t) for t in texts]
+        source, target, _ = await pair(service, str(source), str(target), plain)
+        outputs = (
+            texts
+            if source == target
+            else await translated_texts(request, service, texts, text_format, source, target)
+        )
+        for slot, output in zip(opened.slots, outputs):
+            slot.put(output)
+        name = request.app.state.files.keep(f"{stem}_{target}{extension}", opened.save())
+    except (LibreError, ApiError) as e:
+        return answer(e)
+    except Gone as e:
+        return e.response
+    return JSONResponse({"translatedFileUrl": str(request.url_for("download_file", filename=name))})
+
+
+async def translated_texts(
+    request: Request, service: Service, texts: list[str], text_format: str, source: str, target: str
+) -> list[str]:
+    """Each text (a file's paragraph) translated whole, FILE_CHUNK sentences at a time."""
+    hops = service.models.route(source, target)
+    outputs: list[str] = []
+    chunk: list[str] = []
+    counted = 0
+    for i, text in enumerate(texts):
+        chunk.append(text)
+        counted += max(1, len(text) // 80)  # about a sentence every 80 characters
+        if counted >= FILE_CHUNK or i == len(texts) - 1:
+            documents, results, _ = await translated(request, service, hops, chunk, text_format, source, 1)
+            start = 0
+            for document in documents:
+                mine = results[start : start + len(document.sentences)]
+                start += len(document.sentences)
+                outputs.append(document.join([n_best[0][0] for n_best in mine]))
+            chunk, counted = [], 0
+    return outputs
+
+
+async def file_form(request: Request, service: Service) -> tuple[dict[str, Any], Any]:
+    """The multipart form of /translate_file, within the body's limit: its text fields and its file."""
+    body = await read_body(request, service)
+    if content_type(request.headers) != "multipart/form-data":
+        raise LibreError(400, "Invalid request: missing file parameter")
+
+    async def stream():  # the body, already read within the size limit
+        yield body
+
+    try:
+        form = await MultiPartParser(request.headers, stream()).parse()
+    except Exception as e:  # python-multipart's errors have no common base
+        raise LibreError(400, f"Invalid request: the form cannot be read ({e})") from None
+    values = dict(request.query_params)
+    values.update({k: v for k, v in form.items() if isinstance(v, str)})
+    upload = form.get("file")
+    return values, None if isinstance(upload, str) else upload
+
+
+async def download_file_endpoint(request: Request, filename: str) -> Response:
+    """LibreTranslate's /download_file/NAME: a file /translate_file translated, as an attachment named
+    without its random prefix."""
+    service = service_of(request)
+    try:
+        if not service.config.files_translation:
+            raise LibreError(400, FILES_DISABLED)
+        path = request.app.state.files.find(filename)
+    except (LibreError, ApiError) as e:
+        return answer(e)
+    return FileResponse(path, filename=filename.split(".", 1)[1], media_type="application/octet-stream")
+
+
+async def suggest_endpoint(request: Request) -> Response:
+    """LibreTranslate's /suggest, as it answers with suggestions off (its default): aiayn keeps none."""
+    return answer(LibreError(403, "Suggestions are disabled on this server."))
+
+
+async def spec_endpoint(request: Request) -> Response:
+    """LibreTranslate's /spec: the API's description (FastAPI's OpenAPI document of this server)."""
+    return JSONResponse(request.app.openapi())
