@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from html.parser import HTMLParser
 
@@ -98,33 +98,70 @@ def _sentence_spans(text: str, language: str) -> list[tuple[int, int]]:
     """Where each sentence of text lies, from its first character that is not a space to its last. The
     splitter sees every run of whitespace as one space (a tab, a no-break space or, in HTML, a line
     break between words is a space to it) and may move spaces, but keeps every other character in order:
-    counting those finds each sentence in text exactly."""
+    counting those finds each sentence in text exactly. A splitter that lost or moved a character would
+    leave the line one sentence."""
     if not text or text.isspace():
         return []
     where = [i for i, c in enumerate(text) if not c.isspace()]
-    sentences = _splitter(language).split(re.sub(r"\s+", " ", text))
+    sentences = _splitter(language)(re.sub(r"\s+", " ", text))
+    if "".join("".join(sentences).split()) != "".join(text[i] for i in where):
+        return [(where[0], where[-1] + 1)]
     spans, k = [], 0
     for sentence in sentences:
         n = sum(not c.isspace() for c in sentence)
         if n:
             spans.append((where[k], where[k + n - 1] + 1))
             k += n
-    assert "".join("".join(sentences).split()) == "".join(text[i] for i in where), (text, sentences)
     return spans
 
 
+# Languages written without a mark at the end of a sentence, a space between sentences instead (Thai, Lao,
+# Khmer): there, a space ends one.
+SPACE_ENDS_SENTENCE = frozenset({"th", "lo", "km"})
+
+
 @functools.lru_cache(maxsize=64)
-def _splitter(language: str) -> SentenceSplitter:
-    """The sentence splitter of a language, built once: Moses' rules (sentence_splitter), chosen by
-    benchmarks/bench_text.py. Of the splitters it measures that never raise or lose a character on odd
-    lines, this one splits the most paragraphs exactly (pysbd, a little ahead on the hard paragraphs, did
-    both, and a lost character cannot be joined back). A language it has no rules for gets its English
-    rules: a period, ? or ! before a capital still ends a sentence, only the abbreviations are English."""
+def _splitter(language: str) -> Callable[[str], list[str]]:
+    """The sentence splitter of a language, built once. Moses' rules (sentence_splitter) where it has them,
+    chosen by benchmarks/bench_text.py: of the splitters it measures that never raise or lose a character
+    on odd lines, this one splits the most paragraphs exactly (pysbd, a little ahead on the hard
+    paragraphs, did both, and a lost character cannot be joined back). For the languages Moses has no rules
+    for, pysbd's where it has them (Chinese and Japanese, which end a sentence with 。！？ and no space;
+    Arabic, Persian and Urdu with ؟; Hindi and Marathi with the danda; Armenian, Amharic, Burmese, ...);
+    Thai, Lao and Khmer at their spaces; any other language gets Moses' English rules: a period, ? or !
+    before a capital still ends a sentence, only the abbreviations are English."""
     code = language.replace("_", "-").split("-")[0].lower()
+    if code in SPACE_ENDS_SENTENCE:
+        return str.split
     try:
-        return SentenceSplitter(language=code)
+        return SentenceSplitter(language=code).split
     except SentenceSplitterException:  # its way of saying it has no rules for the language
-        return _splitter("en")
+        pass
+    import pysbd
+    from pysbd.languages import LANGUAGE_CODES
+
+    if code in LANGUAGE_CODES:
+        return pysbd.Segmenter(language=code, clean=False).segment
+    return _splitter("en")
+
+
+def pieces(text: str, tokens: Callable[[str], int], limit: int) -> list[tuple[str, str]]:
+    """A sentence longer than a model reads (tokens(text) > limit) cut into pieces of at most limit tokens,
+    each with what followed it in text (a space, or nothing): where a clause ends (, ; : and their
+    full-width forms), else at a space, else between two characters, nearest the middle each time, so
+    that the pieces are as long as each other. Joined with what followed each, the pieces are text."""
+    if tokens(text) <= limit or len(text) < 2:
+        return [(text, "")]
+    middle = len(text) / 2
+    for pattern in (r"[,;:，；：、]\s*", r"\s+", r"(?<=.)(?=.)"):
+        cuts = [m for m in re.finditer(pattern, text) if 0 < m.end() < len(text)]
+        if cuts:
+            cut = min(cuts, key=lambda m: abs(m.end() - middle))
+            break
+    end = cut.end()
+    head = text[:end].rstrip()
+    *before, (last, _) = pieces(head, tokens, limit)
+    return [*before, (last, text[len(head) : end]), *pieces(text[end:], tokens, limit)]
 
 
 def _translatable(node: NavigableString) -> bool:

@@ -265,7 +265,9 @@ async def translated(
     sentences = [s for document in documents for s in document.sentences]
     words = [s for s in sentences if any(c.isalpha() for c in s)]
     found, batch_size = (
-        await through(request, service, hops, words, None, n_best, "sentence") if words else ([], 0)
+        await through(request, service, hops, words, None, n_best, "sentence", cut_long=True)
+        if words
+        else ([], 0)
     )
     translated_words = iter(found)
     results = [next(translated_words) if any(c.isalpha() for c in s) else [(s, 0.0)] for s in sentences]

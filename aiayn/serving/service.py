@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from starlette.datastructures import Headers
 
 from aiayn.config import ServeConfig
+from aiayn.serving.documents import pieces
 from aiayn.serving.models import Hop, Models
 from aiayn.serving.worker import ApiError, Line, Metrics, Pending, Worker
 
@@ -162,10 +163,13 @@ async def through(
     beam: int | None,
     n_best: int,
     unit: str = "line",
+    cut_long: bool = False,
 ) -> tuple[list[list[tuple[str, float]]], int]:
     """Sentences through a route's models, each model's lines batched by the worker with other requests':
     the n-best (text, score) of each sentence from the last model, the best of each model before it
-    feeding the next; and the largest batch a line rode in."""
+    feeding the next; and the largest batch a line rode in. A sentence over --max-tokens is a 413, or with
+    cut_long (LibreTranslate's texts) is cut into pieces within it (documents.pieces), each translated
+    and the best of each joined: its n-best is that one."""
     config = service.config
     beam = beam or config.beam_size
     if beam > config.max_beam or n_best > config.max_beam:
@@ -177,7 +181,13 @@ async def through(
             translator = loaded.translator
             search = replace(translator.search_config, beam_size=beam).with_n_best(n_best if last else 1)
             prefix = hop.model.prefix(hop.target)
-            ids = translator.tokenizer.encode_src([prefix + t if t.strip() else t for t in texts])
+            encode = translator.tokenizer.encode_src
+            cut = [[(t, "")] for t in texts]  # each text's pieces, with what followed each
+            if cut_long:
+                tokens = lambda piece, encode=encode, prefix=prefix: len(encode([prefix + piece])[0]) - 1  # noqa: E731 (no EOS)
+                cut = [pieces(t, tokens, config.max_tokens) if t.strip() else [(t, "")] for t in texts]
+            lines = [piece for of_text in cut for piece, _ in of_text]
+            ids = encode([prefix + t if t.strip() else t for t in lines])
             for i, line in enumerate(ids):
                 check_tokens(line, service, f"{unit} {i + 1} of the request")
             pending = new_pending(request, service, len(ids))
@@ -188,10 +198,18 @@ async def through(
             if isinstance(found, Response):  # the client has gone
                 raise Gone(found)
             decode = translator.tokenizer.decode_tgt
-            results = [
+            per_line = [
                 list(zip(decode([h.tokens for h in found[i]]), [h.score for h in found[i]]))
                 for i in range(len(ids))
             ]
+            results, start = [], 0
+            for of_text in cut:
+                mine, start = per_line[start : start + len(of_text)], start + len(of_text)
+                if len(mine) == 1:
+                    results.append(mine[0])
+                else:  # a sentence in pieces: the best of each, joined as the pieces were
+                    joined = "".join(n_best[0][0] + after for n_best, (_, after) in zip(mine, of_text))
+                    results.append([(joined, sum(n_best[0][1] for n_best in mine))])
             batch_size = max(batch_size, pending.batch_size)
         texts = [n_best[0][0] for n_best in results]
     return results, batch_size

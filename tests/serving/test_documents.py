@@ -10,7 +10,7 @@ import pytest
 from bs4 import BeautifulSoup, NavigableString
 from conftest import MULTI30K
 
-from aiayn.serving.documents import Document, split_html, split_text
+from aiayn.serving.documents import Document, pieces, split_html, split_text
 from aiayn.serving.languages import detect, language_name
 
 TRICKY = [
@@ -99,6 +99,41 @@ def test_paragraphs_of_multi30k_lines_split_into_their_lines(language):
         lines = [line.strip() for _, line in zip(range(200), f) if re.search(r"[.!?]$", line.strip())]
     for i in range(0, len(lines), 4):
         assert split_text(" ".join(lines[i : i + 4]), language).sentences == tuple(lines[i : i + 4])
+
+
+@pytest.mark.parametrize(
+    ("language", "sentences", "gap"),
+    [
+        ("zh", ["我喜欢狗。", "你呢？", "他们在公园里跑步！", "最后一句"], ""),
+        ("ja", ["犬が走る。", "猫は寝ている！"], ""),
+        ("hi", ["मैं घर जा रहा हूँ।", "तुम कहाँ हो?", "ठीक है"], " "),
+        ("ar", ["أنا ذاهب إلى البيت.", "أين أنت؟", "حسنا"], " "),
+        ("th", ["ฉันชอบสุนัข", "คุณล่ะ", "พวกเขาวิ่งในสวน"], " "),
+    ],
+)
+def test_scripts_without_moses_rules_split_at_their_own_marks(language, sentences, gap):
+    """Chinese and Japanese end a sentence with 。！？ and no space, Hindi with the danda, Arabic with ؟,
+    Thai with a space: English rules (a mark before a capital) would leave each paragraph one sentence."""
+    text = gap.join(sentences)
+    assert list(check_text(text, language).sentences) == sentences
+    long = gap.join(sentences[:-1] * 40)  # a paragraph of several hundred characters
+    assert list(check_text(long, language).sentences) == sentences[:-1] * 40
+
+
+def test_a_sentence_over_the_limit_is_cut_in_pieces_that_join_back():
+    """Where a clause ends, else at a space, else anywhere, nearest the middle: every piece within the
+    limit, joined with what followed each it is the sentence."""
+    words = lambda text: len(text.split())  # noqa: E731 (a count of tokens: words)
+    sentence = ", ".join(" ".join(f"w{i}-{j}" for j in range(7)) for i in range(60))  # 420 words
+    cut = pieces(sentence, words, 256)
+    assert len(cut) > 1 and all(words(p) <= 256 for p, _ in cut)
+    assert "".join(p + after for p, after in cut) == sentence
+    assert all(p.endswith(",") for p, _ in cut[:-1])  # at clauses
+    chars = lambda text: len(text)  # noqa: E731 (a script without spaces: a token a character)
+    chinese = "狗" * 400
+    cut = pieces(chinese, chars, 256)
+    assert all(len(p) <= 256 for p, _ in cut) and "".join(p + a for p, a in cut) == chinese
+    assert pieces("short", words, 256) == [("short", "")]
 
 
 def test_join_wants_one_translation_per_sentence():
