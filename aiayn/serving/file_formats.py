@@ -76,6 +76,17 @@ def _runs(runs: list[Any]) -> Callable[[str], None]:
     return put
 
 
+def _saver(write: Callable[[io.BytesIO], Any]) -> Callable[[], bytes]:
+    """A file's bytes from its library's way of writing it to a file object."""
+
+    def save() -> bytes:
+        out = io.BytesIO()
+        write(out)
+        return out.getvalue()
+
+    return save
+
+
 def _docx(data: bytes) -> Opened:
     import docx
 
@@ -100,12 +111,7 @@ def _docx(data: bytes) -> Opened:
             seen.add(id(paragraph._p))
             slots.append(Slot(paragraph.text, _runs(paragraph.runs)))
 
-    def save() -> bytes:
-        out = io.BytesIO()
-        document.save(out)
-        return out.getvalue()
-
-    return Opened(slots, save)
+    return Opened(slots, _saver(document.save))
 
 
 def _pptx(data: bytes) -> Opened:
@@ -132,12 +138,7 @@ def _pptx(data: bytes) -> Opened:
                 if text.strip():
                     slots.append(Slot(text, _runs(list(paragraph.runs))))
 
-    def save() -> bytes:
-        out = io.BytesIO()
-        presentation.save(out)
-        return out.getvalue()
-
-    return Opened(slots, save)
+    return Opened(slots, _saver(presentation.save))
 
 
 def _odf(data: bytes) -> Opened:
@@ -175,12 +176,7 @@ def _odf(data: bytes) -> Opened:
             if content.strip() and any(True for _ in pieces(element)):
                 slots.append(Slot(content, put_into(element)))
 
-    def save() -> bytes:
-        out = io.BytesIO()
-        document.write(out)
-        return out.getvalue()
-
-    return Opened(slots, save)
+    return Opened(slots, _saver(document.write))
 
 
 def _srt(data: bytes) -> Opened:
