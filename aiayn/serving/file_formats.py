@@ -106,10 +106,12 @@ def _docx(data: bytes) -> Opened:
     for container in containers:
         for paragraph in paragraphs(container):
             # a merged cell is the same paragraph under each of its grid cells: translated once
-            if id(paragraph._p) in seen or not paragraph.text.strip():
+            # the text of its runs (a hyperlink's text is not one of them: it stays as it was)
+            text = "".join(run.text for run in paragraph.runs)
+            if id(paragraph._p) in seen or not text.strip():
                 continue
             seen.add(id(paragraph._p))
-            slots.append(Slot(paragraph.text, _runs(paragraph.runs)))
+            slots.append(Slot(text, _runs(paragraph.runs)))
 
     return Opened(slots, _saver(document.save))
 

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -205,10 +205,8 @@ async def translate_values(request: Request, service: Service, values: dict[str,
     documents, results, batch_size = await translated(
         request, service, hops, texts, text_format, source, n_best
     )
-    outputs, alts, start = [], [], 0
-    for document in documents:
-        mine = results[start : start + len(document.sentences)]
-        start += len(document.sentences)
+    outputs, alts = [], []
+    for document, mine in by_document(documents, results):
         main = document.join([n_best[0][0] for n_best in mine])
         outputs.append(main)
         alts.append([] if text_format == "html" else alternatives_of(document, mine, main, alternatives))
@@ -272,6 +270,14 @@ async def translated(
     translated_words = iter(found)
     results = [next(translated_words) if any(c.isalpha() for c in s) else [(s, 0.0)] for s in sentences]
     return documents, results, batch_size
+
+
+def by_document(documents: list[Document], results: list) -> Iterator[tuple[Document, list]]:
+    """Each document with the n-best lists of its sentences (results holds all documents' in order)."""
+    start = 0
+    for document in documents:
+        yield document, results[start : start + len(document.sentences)]
+        start += len(document.sentences)
 
 
 def served_code(code: str, served: Collection[str]) -> str:
@@ -489,7 +495,8 @@ async def translate_file_endpoint(request: Request) -> Response:
         texts = [slot.text for slot in opened.slots]
         text_format = "html" if opened.markup else "text"
         plain = texts if text_format == "text" else [text_of_html(t) for t in texts]
-        source, target, _ = await pair(service, str(source), str(target), plain)
+        # a file's language told from its start, as LibreTranslate's (4,096 characters)
+        source, target, _ = await pair(service, str(source), str(target), ["\n".join(plain)[:4096]])
         outputs = (
             texts
             if source == target
@@ -518,11 +525,9 @@ async def translated_texts(
         counted += max(1, len(text) // 80)  # about a sentence every 80 characters
         if counted >= FILE_CHUNK or i == len(texts) - 1:
             documents, results, _ = await translated(request, service, hops, chunk, text_format, source, 1)
-            start = 0
-            for document in documents:
-                mine = results[start : start + len(document.sentences)]
-                start += len(document.sentences)
-                outputs.append(document.join([n_best[0][0] for n_best in mine]))
+            outputs += [
+                d.join([n_best[0][0] for n_best in mine]) for d, mine in by_document(documents, results)
+            ]
             chunk, counted = [], 0
     return outputs
 

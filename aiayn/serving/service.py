@@ -182,12 +182,14 @@ async def through(
             search = replace(translator.search_config, beam_size=beam).with_n_best(n_best if last else 1)
             prefix = hop.model.prefix(hop.target)
             encode = translator.tokenizer.encode_src
+            ids = encode([prefix + t if t.strip() else t for t in texts])
             cut = [[(t, "")] for t in texts]  # each text's pieces, with what followed each
-            if cut_long:
+            if cut_long:  # only the sentences over the limit are cut, and only their pieces encoded again
                 tokens = lambda piece, encode=encode, prefix=prefix: len(encode([prefix + piece])[0]) - 1  # noqa: E731 (no EOS)
-                cut = [pieces(t, tokens, config.max_tokens) if t.strip() else [(t, "")] for t in texts]
-            lines = [piece for of_text in cut for piece, _ in of_text]
-            ids = encode([prefix + t if t.strip() else t for t in lines])
+                for i in [i for i, line in enumerate(ids) if len(line) - 1 > config.max_tokens]:
+                    cut[i] = pieces(texts[i], tokens, config.max_tokens)
+                ids = [line for i, of_text in enumerate(cut)
+                       for line in (encode([prefix + p for p, _ in of_text]) if len(of_text) > 1 else [ids[i]])]  # fmt: skip
             for i, line in enumerate(ids):
                 check_tokens(line, service, f"{unit} {i + 1} of the request")
             pending = new_pending(request, service, len(ids))
